@@ -1,0 +1,1 @@
+"""Reference deployment of vLLM Model Runner V2 multimodal (audio + vision) on CPU."""

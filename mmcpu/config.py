@@ -1,0 +1,52 @@
+"""The project's one settings module: every knob is an env var ``MMCPU_<FIELD>`` (see README)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MMCPU_", extra="ignore")
+
+    # --- where things live ---------------------------------------------------------------------
+    cache_dir: Path = Field(REPO_ROOT / ".cache", description="venvs, fixture models, wheels, logs")
+    models_dir: Path = Field(REPO_ROOT / ".cache" / "models", description="fixture/real model folders")
+
+    # --- one vLLM engine (mmcpu-serve) ---------------------------------------------------------
+    runner: Literal["v2", "v1"] = Field("v2", description="v2 = Model Runner V2 (MRV2); v1 = classic runner")
+    kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE; 1 GiB is plenty for tiny models")
+    omp_threads_bind: str = Field("auto", description="VLLM_CPU_OMP_THREADS_BIND, e.g. 'auto', '0-3', 'nobind'")
+    triton_interpret: bool = Field(
+        True, description="run MRV2's Triton kernels in Triton's interpreter (no triton-cpu on PyPI)"
+    )
+    max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
+    dtype: str = Field("auto", description="--dtype for vLLM")
+    extra_args: str = Field("", description="extra vLLM CLI arguments, shell-split")
+
+    # --- roles of the container entrypoint --------------------------------------------------------
+    audio_model: str = Field("/models/whisper-tiny.en", description="model served by the audio engine")
+    audio_port: int = 8001
+    vision_model: str = Field("/models/tiny-llava", description="model served by the vision engine")
+    vision_port: int = 8002
+
+    # --- gateway -------------------------------------------------------------------------------
+    host: str = "0.0.0.0"
+    port: int = Field(8000, description="gateway port (the one OpenAI base URL)")
+    audio_url: str = Field("http://127.0.0.1:8001", description="audio engine base URL")
+    vision_url: str = Field("http://127.0.0.1:8002", description="vision engine base URL")
+    api_key: SecretStr | None = Field(None, description="if set, clients must send 'Authorization: Bearer KEY'")
+    max_upload_mb: float = Field(25, gt=0, description="largest accepted request body (audio uploads, images)")
+    request_timeout_s: float = Field(600, gt=0, description="per-request timeout towards an engine")
+    health_timeout_s: float = Field(5, gt=0, description="timeout of the gateway's engine probes")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
