@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     audio_port: int = 8001
     vision_model: str = Field("/models/tiny-llava", description="model served by the vision engine")
     vision_port: int = 8002
+    audio_args: str = Field("", description="extra vLLM arguments of the audio engine, shell-split")
+    vision_args: str = Field(
+        '--limit-mm-per-prompt \'{"image":4}\'', description="extra vLLM arguments of the vision engine, shell-split"
+    )
 
     # --- gateway -------------------------------------------------------------------------------
     host: str = "0.0.0.0"

@@ -1,0 +1,118 @@
+"""Run a real vLLM engine (through ``mmcpu-serve``) as a child process: for tests and benchmark scripts.
+
+The process and its children are in their own process group, so stopping it stops vLLM's engine-core
+workers too; the log goes to a file the caller can read (e.g. to prove ``Using V2 Model Runner``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+MRV2_LOG_LINE = "Using V2 Model Runner"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Engine:
+    model: Path
+    log_path: Path
+    runner: str = "v2"
+    port: int = field(default_factory=free_port)
+    pythonpath: Path | None = None  # put a vLLM copy (e.g. the unpatched overlay) in front of site-packages
+    vllm_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    ready_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self, timeout_s: float = 420) -> Engine:
+        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_RUNNER=self.runner, HF_HUB_OFFLINE="1")
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.pythonpath), env.get("PYTHONPATH")]))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "mmcpu.launch", "--model", str(self.model), "--port", str(self.port)]
+        if self.vllm_args:
+            cmd += ["--", *self.vllm_args]
+        t0 = time.monotonic()
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.monotonic() - t0
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = "\n".join(self.log().splitlines()[-30:])
+                raise RuntimeError(f"vLLM for {self.model} exited with {self.proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM for {self.model} not ready after {timeout_s:.0f}s (log: {self.log_path})")
+
+    def alive(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its children (API process + engine core)."""
+        if not self.proc or self.proc.poll() is not None:
+            return 0
+        root = psutil.Process(self.proc.pid)
+        total = 0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                total += proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def stop(self) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
