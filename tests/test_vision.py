@@ -1,0 +1,72 @@
+"""/v1/chat/completions with images on a real vLLM server: MRV2 on CPU, patched vLLM 0.26.0, tiny LLaVA."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from mmcpu.checks import expect_client_error
+from mmcpu.payloads import image_chat_kwargs, test_image
+from mmcpu.servers import MRV2_LOG_LINE
+
+from .conftest import client_for
+
+pytestmark = pytest.mark.slow
+
+
+def chat(engine, images, **kwargs) -> str:
+    result = client_for(engine).chat.completions.create(**image_chat_kwargs(images, model=engine.name, **kwargs))
+    return result.choices[0].message.content
+
+
+def test_two_different_images_in_one_request(llava_engine):
+    answer = chat(llava_engine, [test_image(1), test_image(2)])
+    assert answer and answer.strip()
+
+
+def test_images_reach_the_model(llava_engine):
+    """Greedy decoding: the same images give the same answer, other images a different one."""
+    first = chat(llava_engine, [test_image(1), test_image(2)])
+    again = chat(llava_engine, [test_image(1), test_image(2)])
+    other = chat(llava_engine, [test_image(3), test_image(4)])
+    assert first == again
+    assert other != first
+
+
+def test_streaming(llava_engine):
+    stream = client_for(llava_engine).chat.completions.create(
+        **image_chat_kwargs([test_image(5), test_image(6)], model=llava_engine.name, stream=True)
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len(pieces) > 1 and "".join(pieces).strip()
+
+
+def test_mrv2_in_use(llava_engine):
+    assert MRV2_LOG_LINE in llava_engine.log()
+
+
+BAD_IMAGES = {
+    "malformed-data-url": "data:image/png;base64,@@@not-base64@@@",
+    "non-image-bytes": "data:image/png;base64," + base64.b64encode(b"plain text, not a PNG" * 10).decode(),
+}
+
+
+@pytest.mark.parametrize("name", BAD_IMAGES)
+def test_bad_image_is_4xx_and_server_survives(llava_engine, name):
+    client = client_for(llava_engine)
+    error = expect_client_error(
+        lambda: client.chat.completions.create(
+            **image_chat_kwargs([BAD_IMAGES[name], test_image(1)], model=llava_engine.name)
+        )
+    )
+    print(f"\n{name}: {error}")
+    assert chat(llava_engine, [test_image(1), test_image(2)]).strip()
+
+
+def test_unknown_model_is_404(llava_engine):
+    client = client_for(llava_engine)
+    expect_client_error(
+        lambda: client.chat.completions.create(**image_chat_kwargs([test_image(1)], model="no-such-model")), {404}
+    )
+    assert chat(llava_engine, [test_image(1), test_image(2)]).strip()
