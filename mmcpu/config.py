@@ -45,10 +45,17 @@ class Settings(BaseSettings):
     port: int = Field(8000, description="gateway port (the one OpenAI base URL)")
     audio_url: str = Field("http://127.0.0.1:8001", description="audio engine base URL")
     vision_url: str = Field("http://127.0.0.1:8002", description="vision engine base URL")
-    api_key: SecretStr | None = Field(None, description="if set, clients must send 'Authorization: Bearer KEY'")
-    max_upload_mb: float = Field(25, gt=0, description="largest accepted request body (audio uploads, images)")
+    api_key: SecretStr | None = Field(
+        None, description="if set and not empty, clients must send 'Authorization: Bearer KEY'"
+    )
+    max_upload_mb: float = Field(25, gt=0, description="largest accepted request body in MiB (audio uploads, images)")
     request_timeout_s: float = Field(600, gt=0, description="per-request timeout towards an engine")
-    health_timeout_s: float = Field(5, gt=0, description="timeout of the gateway's engine probes")
+    health_timeout_s: float = Field(
+        5, gt=0, description="timeout of the gateway's engine probes (/health, /v1/models) and of connecting"
+    )
+    models_ttl_s: float = Field(
+        30, ge=0, description="how long the gateway trusts its model → engine table (re-read at once on a miss)"
+    )
 
 
 @lru_cache

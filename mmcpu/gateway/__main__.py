@@ -1,0 +1,3 @@
+from mmcpu.gateway.app import main
+
+main()

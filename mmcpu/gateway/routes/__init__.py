@@ -1,0 +1,1 @@
+"""The gateway's routers, one small module per concern."""
