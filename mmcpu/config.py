@@ -28,6 +28,11 @@ class Settings(BaseSettings):
     )
     max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
     dtype: str = Field("auto", description="--dtype for vLLM")
+    compile: bool = Field(
+        False,
+        description="torch.compile the model (inductor). Off = --enforce-eager: inductor's C++ build adds minutes "
+        "to every cold start and gains little for small models",
+    )
     extra_args: str = Field("", description="extra vLLM CLI arguments, shell-split")
 
     # --- roles of the container entrypoint --------------------------------------------------------

@@ -64,6 +64,8 @@ def engine_argv(
     ]  # fmt: skip
     if settings.max_model_len:
         argv += ["--max-model-len", str(settings.max_model_len)]
+    if not settings.compile:
+        argv.append("--enforce-eager")
     return argv + shlex.split(settings.extra_args) + list(extra or [])
 
 
