@@ -1,0 +1,737 @@
+"""Render the Kubernetes overlays of deploy/kubernetes and check them offline.
+
+Three layers, each usable alone:
+- ``render(overlay)``: the real kustomize (a ``kustomize`` binary, or the one built into ``kubectl``).
+- ``validate_schema(objects)``: every object against the Kubernetes OpenAPI schemas shipped in the
+  ``kubernetes-validate`` package (strict: unknown fields are errors), for the oldest and newest
+  Kubernetes versions the manifests support.
+- ``check_policy(objects)``: the deployment's own rules (hardening, Guaranteed QoS, probes, HPA, PDB,
+  spread, drain time, OpenMP/KV-cache sizing), each a function over the rendered objects that
+  returns the problems it finds.
+
+CLI (also ``scripts/k8s-render``)::
+
+    python -m mmcpu.k8s list                  # overlay names
+    python -m mmcpu.k8s render cpu-pool       # the YAML to `kubectl apply -f -`
+    python -m mmcpu.k8s check [OVERLAY ...]   # render + schemas + policy; exit 1 on any problem
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pydantic import ValidationError
+
+from mmcpu.config import REPO_ROOT, Settings
+from mmcpu.launch import engine_env, role_commands
+
+KUBE_DIR = REPO_ROOT / "deploy" / "kubernetes"
+OVERLAYS_DIR = KUBE_DIR / "overlays"
+# Oldest: preStop `sleep` handlers are on by default from 1.30. Newest: what kubernetes-validate ships.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+MIN_KUSTOMIZE = (5, 0)  # components, `labels` with includeTemplates
+
+ENGINE_ROLES = {"audio", "vision", "all"}
+MIN_STARTUP_S = 90  # measured: a vLLM CPU engine with a tiny model is ready after 30-90 s
+MIN_DRAIN_S = 60  # least time an engine gets to finish in-flight requests after SIGTERM
+EXIT_MARGIN_S = 10  # after the drain: process exit and the gateway's last bytes
+# Measured 3-5 GiB RSS for a tiny-model engine including its KV cache: <= 4 GiB besides the KV
+# cache, plus 1 GiB for /dev/shm ring buffers and request buffers.
+ENGINE_RUNTIME_GIB = 4
+ENGINE_HEADROOM_GIB = 1
+CACHE_ENV = ("HOME", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "HF_HOME")
+POD_KINDS = {"Deployment", "Job", "StatefulSet", "DaemonSet"}
+
+Obj = dict[str, Any]
+
+
+class RenderError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------
+# rendering
+
+
+def overlays() -> list[str]:
+    """Everything deployable: the base (a cluster without a dedicated pool) and each overlay."""
+    return ["base", *sorted(p.parent.name for p in OVERLAYS_DIR.glob("*/kustomization.yaml"))]
+
+
+def overlay_dir(overlay: str | Path) -> Path:
+    path = Path(overlay)
+    if not path.is_dir():
+        path = KUBE_DIR / "base" if str(overlay) == "base" else OVERLAYS_DIR / str(overlay)
+    if not (path / "kustomization.yaml").is_file():
+        raise RenderError(f"no kustomization.yaml in {path} (overlays: {', '.join(overlays())})")
+    return path
+
+
+def _version(text: str) -> tuple[int, ...]:
+    found = re.search(r"v?(\d+)\.(\d+)", text)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def kustomize_command() -> list[str]:
+    """The build command: a standalone kustomize, else `kubectl kustomize`; must be >= v5."""
+    if exe := shutil.which("kustomize"):
+        out = subprocess.run([exe, "version"], capture_output=True, text=True).stdout
+        if _version(out) >= MIN_KUSTOMIZE:
+            return [exe, "build"]
+    if exe := shutil.which("kubectl"):
+        out = subprocess.run([exe, "version", "--client"], capture_output=True, text=True).stdout
+        found = re.search(r"Kustomize Version:\s*(\S+)", out)
+        if found and _version(found.group(1)) >= MIN_KUSTOMIZE:
+            return [exe, "kustomize"]
+    raise RenderError(
+        "need kustomize >= v5: a `kustomize` binary or a kubectl >= 1.27 (with kustomize built in) on PATH"
+    )
+
+
+def render_text(overlay: str | Path) -> str:
+    path = overlay_dir(overlay)
+    proc = subprocess.run([*kustomize_command(), str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RenderError(f"kustomize failed for {path}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def render(overlay: str | Path) -> list[Obj]:
+    return [doc for doc in yaml.safe_load_all(render_text(overlay)) if doc]
+
+
+def components(overlay: str | Path) -> set[str]:
+    """Names of the components an overlay uses (their checks apply to its render)."""
+    spec = yaml.safe_load((overlay_dir(overlay) / "kustomization.yaml").read_text())
+    return {Path(c).name for c in spec.get("components") or []}
+
+
+# ----------------------------------------------------------------------------------------------
+# schema validation (offline: the schemas are files inside the kubernetes-validate package)
+
+
+def kn(obj: Obj) -> str:
+    return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_problems(obj_json: str, version: str) -> tuple[str, ...]:
+    import kubernetes_validate  # test dependency; imported here so `render` works without it
+
+    obj = json.loads(obj_json)
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = ".".join(str(p) for p in exc.path)
+        return (f"{kn(obj)} (k8s {version}): {where}: {exc.message}",)
+    except (kubernetes_validate.SchemaNotFoundError, kubernetes_validate.InvalidSchemaError) as exc:
+        return (f"{kn(obj)} (k8s {version}): no schema: {exc}",)
+    return ()
+
+
+def validate_schema(objects: list[Obj], versions: tuple[str, ...] = K8S_VERSIONS) -> list[str]:
+    """Strict schema problems of every object (memoized: overlays share most objects)."""
+    keys = dict.fromkeys(json.dumps(obj, sort_keys=True) for obj in objects)
+    return [problem for key in keys for version in versions for problem in _schema_problems(key, version)]
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers over rendered objects
+
+_MEM_UNITS = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+    "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+}  # fmt: skip
+
+
+def cpu_cores(value: Any) -> float:
+    text = str(value)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def mem_bytes(value: Any) -> float:
+    text = str(value)
+    for unit, factor in _MEM_UNITS.items():
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * factor
+    return float(text)
+
+
+def pod_specs(objects: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
+    for obj in objects:
+        if obj.get("kind") in POD_KINDS:
+            yield obj, obj["spec"]["template"]["spec"]
+
+
+def all_containers(pod: Obj) -> list[Obj]:
+    return list(pod.get("initContainers") or []) + list(pod.get("containers") or [])
+
+
+def by_kind(objects: list[Obj], kind: str) -> list[Obj]:
+    return [o for o in objects if o.get("kind") == kind]
+
+
+def find(objects: list[Obj], kind: str, name: str) -> Obj | None:
+    return next((o for o in by_kind(objects, kind) if o["metadata"]["name"] == name), None)
+
+
+def role(container: Obj) -> str | None:
+    args = container.get("args") or []
+    return args[0] if args and not container.get("command") else None
+
+
+def is_engine(container: Obj) -> bool:
+    return role(container) in ENGINE_ROLES
+
+
+def effective(pod: Obj, container: Obj, key: str) -> Any:
+    """A securityContext field as Kubernetes applies it: the container's, else the pod's."""
+    value = (container.get("securityContext") or {}).get(key)
+    return value if value is not None else (pod.get("securityContext") or {}).get(key)
+
+
+def labels_match(selector: dict[str, str] | None, labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def pod_labels(obj: Obj) -> dict[str, str]:
+    return obj["spec"]["template"].get("metadata", {}).get("labels") or {}
+
+
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def container_env(objects: list[Obj], container: Obj) -> dict[str, str | None]:
+    """The container's environment as the kubelet builds it: envFrom ConfigMaps first, then `env`
+    in order, where $(VAR) expands only variables defined before it. Values the render cannot know
+    (Secrets, field refs) are None."""
+    env: dict[str, str | None] = {}
+    for source in container.get("envFrom") or []:
+        if ref := source.get("configMapRef"):
+            cm = find(objects, "ConfigMap", ref["name"])
+            env.update({(source.get("prefix") or "") + k: str(v) for k, v in ((cm or {}).get("data") or {}).items()})
+    for item in container.get("env") or []:
+        if "value" in item:
+            known = {k: v for k, v in env.items() if v is not None}
+            env[item["name"]] = _VAR_REF.sub(lambda m: known.get(m.group(1), m.group(0)), str(item["value"]))
+        elif ref := (item.get("valueFrom") or {}).get("configMapKeyRef"):
+            cm = find(objects, "ConfigMap", ref["name"])
+            env[item["name"]] = ((cm or {}).get("data") or {}).get(ref["key"])
+        else:
+            env[item["name"]] = None
+    return env
+
+
+def container_ports(container: Obj) -> set[Any]:
+    ports = container.get("ports") or []
+    return {p.get("name") for p in ports if p.get("name")} | {p["containerPort"] for p in ports}
+
+
+def container_settings(env: dict[str, str | None]) -> Settings:
+    """The Settings the container's mmcpu-entrypoint will read from its environment."""
+    fields = {}
+    for key, value in env.items():
+        field = key.removeprefix("MMCPU_").lower()
+        if key.startswith("MMCPU_") and value is not None and field in Settings.model_fields:
+            fields[field] = value
+    # A prefix no variable has: only the container's environment counts, not this process's.
+    return Settings(_env_prefix="MMCPU_K8S_CHECK_ISOLATED_", **fields)
+
+
+def engine_processes(objects: list[Obj], container: Obj) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of each vLLM engine the container starts, as mmcpu.launch builds them."""
+    env = {k: v for k, v in container_env(objects, container).items() if v is not None}
+    settings = container_settings(env)
+    return [
+        (argv, engine_env(settings, base=env))
+        for name, argv, _ in role_commands(role(container), settings)
+        if name != "gateway"
+    ]
+
+
+def shutdown_timeout(argv: list[str]) -> int | None:
+    """vLLM's --shutdown-timeout in an engine's argv (the last one wins, as with argparse)."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--shutdown-timeout" and i + 1 < len(argv):
+            found = int(argv[i + 1])
+        elif arg.startswith("--shutdown-timeout="):
+            found = int(arg.split("=", 1)[1])
+    return found
+
+
+def hpa_for(objects: list[Obj], deployment: Obj) -> Obj | None:
+    name = deployment["metadata"]["name"]
+    return next(
+        (h for h in by_kind(objects, "HorizontalPodAutoscaler")
+         if h["spec"]["scaleTargetRef"].get("kind") == deployment["kind"]
+         and h["spec"]["scaleTargetRef"].get("name") == name),
+        None,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# policy: each check returns the problems it finds; CHECKS apply to every overlay, COMPONENT_CHECKS
+# to the overlays that use that component.
+
+Check = Callable[[list[Obj]], list[str]]
+CHECKS: dict[str, Check] = {}
+COMPONENT_CHECKS: dict[str, dict[str, Check]] = {"cpu-pool": {}, "offline": {}}
+
+
+def check(name: str, component: str | None = None) -> Callable[[Check], Check]:
+    def register(fn: Check) -> Check:
+        (COMPONENT_CHECKS[component] if component else CHECKS)[name] = fn
+        return fn
+
+    return register
+
+
+def _each_container(objects: list[Obj]) -> Iterator[tuple[str, Obj, Obj, Obj]]:
+    for obj, pod in pod_specs(objects):
+        for c in all_containers(pod):
+            yield f"{kn(obj)} container {c['name']}", obj, pod, c
+
+
+@check("run_as_non_root")
+def check_run_as_non_root(objects: list[Obj]) -> list[str]:
+    problems = []
+    for where, _, pod, c in _each_container(objects):
+        if effective(pod, c, "runAsNonRoot") is not True:
+            problems.append(f"{where}: runAsNonRoot is not true")
+        if effective(pod, c, "runAsUser") == 0:
+            problems.append(f"{where}: runAsUser is 0")
+    return problems
+
+
+@check("read_only_root_fs")
+def check_read_only_root_fs(objects: list[Obj]) -> list[str]:
+    return [
+        f"{where}: readOnlyRootFilesystem is not true"
+        for where, _, _, c in _each_container(objects)
+        if (c.get("securityContext") or {}).get("readOnlyRootFilesystem") is not True
+    ]
+
+
+@check("no_privilege_escalation")
+def check_no_privilege_escalation(objects: list[Obj]) -> list[str]:
+    return [
+        f"{where}: allowPrivilegeEscalation is not false"
+        for where, _, _, c in _each_container(objects)
+        if (c.get("securityContext") or {}).get("allowPrivilegeEscalation") is not False
+    ]
+
+
+@check("drop_all_capabilities")
+def check_drop_all_capabilities(objects: list[Obj]) -> list[str]:
+    problems = []
+    for where, _, _, c in _each_container(objects):
+        caps = (c.get("securityContext") or {}).get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            problems.append(f"{where}: capabilities.drop lacks ALL")
+        if caps.get("add"):
+            problems.append(f"{where}: adds capabilities {caps['add']}")
+    return problems
+
+
+@check("seccomp_runtime_default")
+def check_seccomp_runtime_default(objects: list[Obj]) -> list[str]:
+    return [
+        f"{where}: seccompProfile is not RuntimeDefault"
+        for where, _, pod, c in _each_container(objects)
+        if (effective(pod, c, "seccompProfile") or {}).get("type") != "RuntimeDefault"
+    ]
+
+
+@check("no_service_account_token")
+def check_no_service_account_token(objects: list[Obj]) -> list[str]:
+    return [
+        f"{kn(obj)}: automountServiceAccountToken is not false (the pods never call the API)"
+        for obj, pod in pod_specs(objects)
+        if pod.get("automountServiceAccountToken") is not False
+    ]
+
+
+@check("service_links_disabled")
+def check_service_links_disabled(objects: list[Obj]) -> list[str]:
+    # Services named mmcpu-* would inject MMCPU_*_PORT=tcp://... into every pod, clashing with settings.
+    return [
+        f"{kn(obj)}: enableServiceLinks is not false (service env vars collide with MMCPU_ settings)"
+        for obj, pod in pod_specs(objects)
+        if pod.get("enableServiceLinks") is not False
+    ]
+
+
+@check("writable_caches")
+def check_writable_caches(objects: list[Obj]) -> list[str]:
+    """With a read-only root, /tmp, HOME and every cache dir the container sets must be on a writable mount."""
+    problems = []
+    for where, _, _, c in _each_container(objects):
+        if c.get("command"):  # helper containers with their own command write nothing
+            continue
+        mounts = [m for m in c.get("volumeMounts") or [] if not m.get("readOnly")]
+        env = container_env(objects, c)
+        needed = {"/tmp": "/tmp"}
+        if not env.get("HOME"):
+            problems.append(f"{where}: HOME is not set (the image's home is on the read-only root)")
+        needed |= {name: env[name] for name in CACHE_ENV if env.get(name)}
+        if is_engine(c):
+            needed |= {name: env.get(name) or "" for name in CACHE_ENV}
+        for name, path in needed.items():
+            if not path or not any(path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+                                   for m in mounts):  # fmt: skip
+                problems.append(f"{where}: {name}={path or '(unset)'} is not on a writable volume")
+    return problems
+
+
+@check("guaranteed_qos")
+def check_guaranteed_qos(objects: list[Obj]) -> list[str]:
+    """requests == limits for cpu and memory with an integer CPU count: Guaranteed QoS, pinnable cores."""
+    problems = []
+    for where, _, _, c in _each_container(objects):
+        res = c.get("resources") or {}
+        req, lim = res.get("requests") or {}, res.get("limits") or {}
+        for key in ("cpu", "memory"):
+            if key not in lim:
+                problems.append(f"{where}: no {key} limit")
+            elif key in req and str(req[key]) != str(lim[key]):
+                problems.append(f"{where}: {key} request {req[key]} != limit {lim[key]}")
+        if "cpu" in lim:
+            cores = cpu_cores(lim["cpu"])
+            if cores < 1 or cores != int(cores):
+                problems.append(f"{where}: cpu limit {lim['cpu']} is not a whole number of cores")
+    return problems
+
+
+def probe_window(probe: Obj) -> int:
+    return probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+
+@check("probes")
+def check_probes(objects: list[Obj]) -> list[str]:
+    problems = []
+    for obj in by_kind(objects, "Deployment"):
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            where = f"{kn(obj)} container {c['name']}"
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = c.get(kind)
+                if not probe:
+                    problems.append(f"{where}: no {kind}")
+                    continue
+                port = (probe.get("httpGet") or probe.get("tcpSocket") or {}).get("port")
+                if port not in container_ports(c):
+                    problems.append(f"{where}: {kind} port {port!r} is not a container port")
+            if (startup := c.get("startupProbe")) and probe_window(startup) < MIN_STARTUP_S:
+                problems.append(
+                    f"{where}: startupProbe gives up after {probe_window(startup)} s (< {MIN_STARTUP_S} s start)"
+                )
+    return problems
+
+
+@check("hpa")
+def check_hpa(objects: list[Obj]) -> list[str]:
+    problems = []
+    for obj in by_kind(objects, "Deployment"):
+        hpa = hpa_for(objects, obj)
+        if hpa is None:
+            problems.append(f"{kn(obj)}: no HorizontalPodAutoscaler")
+            continue
+        spec = hpa["spec"]
+        if spec.get("minReplicas", 1) < 2:
+            problems.append(f"{kn(hpa)}: minReplicas < 2 (one replica leaves nothing during a drain)")
+        if spec["maxReplicas"] <= spec.get("minReplicas", 1):
+            problems.append(f"{kn(hpa)}: maxReplicas <= minReplicas")
+        if not any((m.get("resource") or {}).get("name") == "cpu" for m in spec.get("metrics") or []):
+            problems.append(f"{kn(hpa)}: no cpu metric")
+        down = ((spec.get("behavior") or {}).get("scaleDown") or {}).get("stabilizationWindowSeconds", 300)
+        if down < 300:
+            problems.append(f"{kn(hpa)}: scaleDown stabilization {down} s < 300 s (replicas take minutes to start)")
+        if "replicas" in obj["spec"]:
+            problems.append(f"{kn(obj)}: sets replicas although an HPA owns the count")
+    return problems
+
+
+@check("pdb")
+def check_pdb(objects: list[Obj]) -> list[str]:
+    problems = []
+    for obj in by_kind(objects, "Deployment"):
+        labels = pod_labels(obj)
+        pdbs = [p for p in by_kind(objects, "PodDisruptionBudget")
+                if labels_match(p["spec"].get("selector", {}).get("matchLabels"), labels)]  # fmt: skip
+        if not pdbs:
+            problems.append(f"{kn(obj)}: no PodDisruptionBudget")
+            continue
+        min_replicas = ((hpa_for(objects, obj) or {}).get("spec") or {}).get("minReplicas", 1)
+        for pdb in pdbs:
+            spec = pdb["spec"]
+            if "maxUnavailable" in spec:
+                if not isinstance(spec["maxUnavailable"], int) or spec["maxUnavailable"] < 1:
+                    problems.append(f"{kn(pdb)}: maxUnavailable must be a count >= 1")
+            elif not isinstance(spec.get("minAvailable"), int) or spec["minAvailable"] >= min_replicas:
+                problems.append(f"{kn(pdb)}: allows no disruption at minReplicas {min_replicas} (blocks drains)")
+    return problems
+
+
+@check("topology_spread")
+def check_topology_spread(objects: list[Obj]) -> list[str]:
+    problems = []
+    for obj in by_kind(objects, "Deployment"):
+        labels = pod_labels(obj)
+        spread = [t for t in obj["spec"]["template"]["spec"].get("topologySpreadConstraints") or []
+                  if t.get("topologyKey") == "kubernetes.io/hostname"
+                  and labels_match(t.get("labelSelector", {}).get("matchLabels"), labels)]  # fmt: skip
+        if not spread:
+            problems.append(f"{kn(obj)}: no topologySpreadConstraint over kubernetes.io/hostname for its pods")
+        elif any(t.get("maxSkew", 1) > 1 for t in spread):
+            problems.append(f"{kn(obj)}: hostname spread maxSkew > 1")
+    return problems
+
+
+def _pre_stop_s(container: Obj) -> int:
+    pre = (container.get("lifecycle") or {}).get("preStop") or {}
+    return (pre.get("sleep") or {}).get("seconds", 0)
+
+
+@check("graceful_termination")
+def check_graceful_termination(objects: list[Obj]) -> list[str]:
+    """Engines drain in-flight requests (vLLM --shutdown-timeout) within the grace period; the gateway
+    outlives the longest engine drain, since it relays those responses."""
+    problems = []
+    drains = []
+    for obj in by_kind(objects, "Deployment"):
+        pod = obj["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if not is_engine(c):
+                continue
+            try:
+                timeouts = [shutdown_timeout(argv) for argv, _ in engine_processes(objects, c)]
+            except ValidationError as exc:
+                problems.append(f"{kn(obj)}: invalid MMCPU_ settings: {exc.errors()[0]['msg']}")
+                continue
+            if None in timeouts:
+                problems.append(f"{kn(obj)}: no --shutdown-timeout in MMCPU_EXTRA_ARGS (vLLM aborts on SIGTERM)")
+                continue
+            drain = min(timeouts)
+            drains.append(drain)
+            if drain < MIN_DRAIN_S:
+                problems.append(f"{kn(obj)}: --shutdown-timeout {drain} s < {MIN_DRAIN_S} s")
+            need = _pre_stop_s(c) + drain + EXIT_MARGIN_S
+            if pod.get("terminationGracePeriodSeconds", 30) < need:
+                problems.append(f"{kn(obj)}: terminationGracePeriodSeconds < {need} s (preStop + drain + exit)")
+    for obj in by_kind(objects, "Deployment"):
+        pod = obj["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if role(c) == "gateway":
+                need = _pre_stop_s(c) + max(drains, default=MIN_DRAIN_S) + EXIT_MARGIN_S
+                if pod.get("terminationGracePeriodSeconds", 30) < need:
+                    problems.append(f"{kn(obj)}: terminationGracePeriodSeconds < {need} s (outlast engine drains)")
+    return problems
+
+
+def pinned_to_pool(pod: Obj) -> bool:
+    required = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution"))  # fmt: skip
+    return bool(pod.get("nodeSelector") or required)
+
+
+@check("engine_threads_and_kv_cache")
+def check_engine_threads_and_kv_cache(objects: list[Obj]) -> list[str]:
+    """What vLLM gets (through mmcpu.launch): OpenMP threads = integer CPU limit - reserved cores;
+    binding "auto" only on a dedicated pool (static CPU manager), else "nobind"; the KV cache (GiB)
+    fitting the memory limit beside the runtime."""
+    problems = []
+    for obj, pod in pod_specs(objects):
+        for c in pod.get("containers") or []:
+            if not is_engine(c):
+                continue
+            where = f"{kn(obj)} container {c['name']}"
+            limits = (c.get("resources") or {}).get("limits") or {}
+            cpus, mem_gib = cpu_cores(limits.get("cpu", 0)), mem_bytes(limits.get("memory", 0)) / 2**30
+            try:
+                processes = engine_processes(objects, c)
+            except ValidationError as exc:
+                problems.append(f"{where}: invalid MMCPU_ settings: {exc.errors()[0]['msg']}")
+                continue
+            for _argv, env in processes:
+                try:
+                    reserved = int(env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or "")
+                    threads = int(env.get("OMP_NUM_THREADS") or "")
+                except ValueError:
+                    problems.append(f"{where}: OMP_NUM_THREADS and VLLM_CPU_NUM_OF_RESERVED_CPU must be integers")
+                else:
+                    if threads < 1 or threads != cpus - reserved:
+                        problems.append(
+                            f"{where}: OMP_NUM_THREADS={threads} != cpu limit {cpus:g} - reserved {reserved}"
+                        )
+                bind = env.get("VLLM_CPU_OMP_THREADS_BIND")
+                if bind not in ("auto", "nobind"):
+                    problems.append(
+                        f"{where}: VLLM_CPU_OMP_THREADS_BIND={bind!r}: core ids are unknown before scheduling; "
+                        "use auto (static CPU manager pool) or nobind"
+                    )
+                elif bind == "auto" and not pinned_to_pool(pod):
+                    problems.append(
+                        f"{where}: VLLM_CPU_OMP_THREADS_BIND=auto off a dedicated pool: threads would bind to every "
+                        "core of the node under a quota of a few (use nobind, or the cpu-pool overlay)"
+                    )
+                kv = int(env["VLLM_CPU_KVCACHE_SPACE"])
+                if kv + ENGINE_RUNTIME_GIB + ENGINE_HEADROOM_GIB > mem_gib:
+                    problems.append(
+                        f"{where}: KV cache {kv} GiB + runtime {ENGINE_RUNTIME_GIB} GiB + headroom "
+                        f"{ENGINE_HEADROOM_GIB} GiB exceeds the memory limit {mem_gib:g} GiB"
+                    )
+    return problems
+
+
+@check("services_reach_pods")
+def check_services_reach_pods(objects: list[Obj]) -> list[str]:
+    """Each Service selects pods that have its target port; the gateway's engine URLs name such Services."""
+    problems = []
+    deployments = by_kind(objects, "Deployment")
+    for svc in by_kind(objects, "Service"):
+        selected = [d for d in deployments if labels_match(svc["spec"].get("selector"), pod_labels(d))]
+        if not selected:
+            problems.append(f"{kn(svc)}: selects no Deployment's pods")
+        for port in svc["spec"].get("ports") or []:
+            target = port.get("targetPort", port["port"])
+            for d in selected:
+                if not any(target in container_ports(c) for c in d["spec"]["template"]["spec"]["containers"]):
+                    problems.append(f"{kn(svc)}: targetPort {target!r} is not a port of {kn(d)}")
+    for obj in deployments:
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            if role(c) != "gateway":
+                continue
+            env = container_env(objects, c)
+            for key in ("MMCPU_AUDIO_URL", "MMCPU_VISION_URL"):
+                found = re.match(r"https?://([^:/]+):(\d+)", env.get(key) or "")
+                svc = find(objects, "Service", found.group(1).split(".")[0]) if found else None
+                if not svc or int(found.group(2)) not in [p["port"] for p in svc["spec"].get("ports") or []]:
+                    problems.append(f"{kn(obj)}: {key}={env.get(key)!r} names no Service port of this render")
+    return problems
+
+
+@check("namespace_restricted")
+def check_namespace_restricted(objects: list[Obj]) -> list[str]:
+    namespaces = by_kind(objects, "Namespace")
+    problems = [] if namespaces else ["no Namespace object (expected one enforcing Pod Security 'restricted')"]
+    for ns in namespaces:
+        if (ns["metadata"].get("labels") or {}).get("pod-security.kubernetes.io/enforce") != "restricted":
+            problems.append(f"{kn(ns)}: does not enforce Pod Security 'restricted'")
+    return problems
+
+
+def _engine_pods(objects: list[Obj]) -> Iterator[tuple[Obj, Obj, Obj]]:
+    for obj in by_kind(objects, "Deployment"):
+        pod = obj["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if is_engine(c):
+                yield obj, pod, c
+
+
+@check("engines_on_cpu_pool", component="cpu-pool")
+def check_engines_on_cpu_pool(objects: list[Obj]) -> list[str]:
+    problems = []
+    for obj, pod, c in _engine_pods(objects):
+        selector = pod.get("nodeSelector") or {}
+        if not selector:
+            problems.append(f"{kn(obj)}: no nodeSelector for the CPU pool")
+        for key, value in selector.items():
+            if not any(t.get("key") == key and t.get("value") == value and t.get("effect") == "NoSchedule"
+                       for t in pod.get("tolerations") or []):  # fmt: skip
+                problems.append(f"{kn(obj)}: no NoSchedule toleration for the pool taint {key}={value}")
+        required = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
+                    .get("requiredDuringSchedulingIgnoredDuringExecution") or {})  # fmt: skip
+        keys = {e["key"] for t in required.get("nodeSelectorTerms") or [] for e in t.get("matchExpressions") or []}
+        if "kubernetes.io/arch" not in keys:
+            problems.append(f"{kn(obj)}: no required node affinity on kubernetes.io/arch")
+        try:
+            binds = {env.get("VLLM_CPU_OMP_THREADS_BIND") for _, env in engine_processes(objects, c)}
+        except ValidationError:
+            binds = set()  # reported by engine_threads_and_kv_cache
+        if binds != {"auto"}:
+            problems.append(f"{kn(obj)}: OpenMP threads not bound to the static CPU manager's cores (auto)")
+    return problems
+
+
+@check("models_from_pvc_offline", component="offline")
+def check_models_from_pvc_offline(objects: list[Obj]) -> list[str]:
+    problems = []
+    claims = {p["metadata"]["name"] for p in by_kind(objects, "PersistentVolumeClaim")}
+    for obj, pod, c in _engine_pods(objects):
+        env = container_env(objects, c)
+        if env.get("HF_HUB_OFFLINE") != "1":
+            problems.append(f"{kn(obj)}: HF_HUB_OFFLINE is not 1")
+        volumes = {v["name"]: v for v in pod.get("volumes") or []}
+        mount = next((m for m in c.get("volumeMounts") or [] if m["mountPath"] == "/models"), None)
+        claim = ((volumes.get(mount["name"]) if mount else None) or {}).get("persistentVolumeClaim", {})
+        if claim.get("claimName") not in claims:
+            problems.append(f"{kn(obj)}: /models is not a PersistentVolumeClaim of this render")
+        elif not mount.get("readOnly"):
+            problems.append(f"{kn(obj)}: /models is mounted writable")
+        model = env.get(f"MMCPU_{role(c).upper()}_MODEL") if role(c) != "all" else "/models/"
+        if not (model or "").startswith("/models/"):
+            problems.append(f"{kn(obj)}: model {model!r} is not a directory under /models")
+    return problems
+
+
+def check_policy(objects: list[Obj], components_used: set[str] = frozenset()) -> list[str]:
+    checks = dict(CHECKS)
+    for name in components_used:
+        checks.update(COMPONENT_CHECKS.get(name, {}))
+    return [f"[{name}] {problem}" for name, fn in checks.items() for problem in fn(objects)]
+
+
+def check_overlay(overlay: str | Path) -> tuple[list[Obj], list[str]]:
+    objects = render(overlay)
+    return objects, validate_schema(objects) + check_policy(objects, components(overlay))
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmcpu.k8s", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="overlay names")
+    p_render = sub.add_parser("render", help="print an overlay's manifests")
+    p_render.add_argument("overlay", help="overlay name (see `list`) or kustomization directory")
+    p_check = sub.add_parser("check", help="render, validate against the OpenAPI schemas, check the policy")
+    p_check.add_argument("overlays", nargs="*", help="default: all overlays")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "list":
+            print("\n".join(overlays()))
+        elif args.cmd == "render":
+            sys.stdout.write(render_text(args.overlay))
+        else:
+            failed = False
+            for overlay in args.overlays or overlays():
+                objects, problems = check_overlay(overlay)
+                for problem in problems:
+                    print(f"{overlay}: {problem}")
+                failed |= bool(problems)
+                status = "FAILED" if problems else "ok"
+                versions = ", ".join(K8S_VERSIONS)
+                print(f"{overlay}: {status}: {len(objects)} objects, schemas of Kubernetes {versions}, policy")
+            return 1 if failed else 0
+    except RenderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
