@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mmcpu import k8s
+from mmcpu import k8s, k8s_smoke
 from mmcpu.config import REPO_ROOT
 
 TARGETS = k8s.overlays()
@@ -301,3 +301,23 @@ def test_render_script_prints_applicable_yaml():
     )
     assert proc.stdout == k8s.render_text("cpu-pool")
     assert "mmcpu.io/pool: cpu-inference" in proc.stdout
+
+
+def test_docker_emulation_gives_the_container_its_pod_spec():
+    args = k8s_smoke.docker_run_args(rendered("base"), "mmcpu-audio")
+    joined = " ".join(args)
+    for expected in (
+        "--user 10001:10001", "--group-add 10001", "--read-only", "--security-opt no-new-privileges",
+        "--cap-drop ALL", "--cpus 2", f"--memory {6 * 2**30} --memory-swap {6 * 2**30}",
+        f"--shm-size {2**30}", "--network-alias mmcpu-audio", "--publish 127.0.0.1::8001",
+        f"type=tmpfs,destination=/tmp,tmpfs-mode=1777,tmpfs-size={2 * 2**30}",
+        "type=tmpfs,destination=/model-cache,tmpfs-mode=1777",
+        "--env MMCPU_OMP_THREADS_BIND=nobind", "--env MMCPU_AUDIO_MODEL=/models/whisper-tiny.en",
+    ):
+        assert expected in joined
+    assert args[-2:] == ["mmcpu:latest", "audio"]
+    gateway = k8s_smoke.docker_run_args(rendered("base"), "mmcpu-gateway", image="x:1")
+    assert not any(a.startswith("MMCPU_API_KEY") for a in gateway)  # a Secret: absent here
+    assert gateway[-2:] == ["x:1", "gateway"]
+    with pytest.raises(k8s_smoke.SmokeError, match="init containers"):
+        k8s_smoke.docker_run_args(rendered("offline"), "mmcpu-audio")
