@@ -168,9 +168,8 @@ def wait_startup(container: str, c: k8s.Obj) -> float:
 
 def check_credentials(container: str, pod: k8s.Obj, c: k8s.Obj) -> str:
     """The running process's uid, capabilities, no_new_privs, seccomp and root filesystem."""
-    status = dict(
-        line.split(":\t", 1) for line in docker("exec", container, "cat", "/proc/1/status").splitlines() if ":\t" in line
-    )
+    lines = docker("exec", container, "cat", "/proc/1/status").splitlines()
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
     uid = status["Uid"].split()[0]
     expect_uid = str(k8s.effective(pod, c, "runAsUser"))
     problems = [f"uid {uid} != {expect_uid}"] if uid != expect_uid else []
