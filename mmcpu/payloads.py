@@ -51,6 +51,9 @@ def test_image(seed: int, size: int = 96) -> Image.Image:
     return img
 
 
+test_image.__test__ = False  # a builder, not a pytest test (tests import it by name)
+
+
 def image_data_url(image: Image.Image | bytes, mime: str = "image/png") -> str:
     """A ``data:`` URL; PIL images are encoded as PNG, raw bytes are sent as they are."""
     if isinstance(image, Image.Image):

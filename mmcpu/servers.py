@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 
 MRV2_LOG_LINE = "Using V2 Model Runner"
@@ -49,7 +50,7 @@ class Engine:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def start(self, timeout_s: float = 420) -> Engine:
+    def start(self, timeout_s: float = 900) -> Engine:
         env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_RUNNER=self.runner, HF_HUB_OFFLINE="1")
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.pythonpath), env.get("PYTHONPATH")]))
@@ -81,6 +82,10 @@ class Engine:
                 pass
             time.sleep(1)
         raise TimeoutError(f"vLLM for {self.model} not ready after {timeout_s:.0f}s (log: {self.log_path})")
+
+    def client(self, timeout_s: float = 300) -> openai.OpenAI:
+        # max_retries=0: a failing request must show up as the failure it is, not be retried into another.
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
 
     def alive(self) -> bool:
         try:

@@ -17,8 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import openai
-
 from mmcpu import speech
 from mmcpu.config import get_settings
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
@@ -57,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         for runner in ("v2", "v1"):
             log = logs / f"latency-{model.name}-{runner}.log"
             with Engine(model=model, log_path=log, runner=runner, vllm_args=vllm_args) as engine:
-                client = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused", max_retries=0)
+                client = engine.client()
                 if key == "whisper":
                     send = lambda: client.audio.transcriptions.create(  # noqa: E731
                         **transcription_kwargs(clip, model=engine.name, language="en"))

@@ -13,7 +13,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import openai
 import pytest
 
 from mmcpu import speech
@@ -82,9 +81,6 @@ def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
     engine.stop()
 
 
-def client_for(engine: Engine) -> openai.OpenAI:
-    # max_retries=0: a failing request must show up as the failure it is, not be retried into something else.
-    return openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,6 @@ from mmcpu import speech
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu.servers import MRV2_LOG_LINE, Engine
 
-from .conftest import client_for
-
 pytestmark = pytest.mark.slow
 KNOWN_ERROR = "Found no NVIDIA driver on your system"
 
@@ -35,12 +33,12 @@ def assert_fails_with_known_error(engine: Engine, send) -> None:
 def test_whisper_unpatched_fails_patched_passes(whisper_model, unpatched_vllm, whisper_engine, clips, logs_dir):
     path, text = clips[0]
     with Engine(model=whisper_model, log_path=logs_dir / "whisper-mrv2-unpatched.log", pythonpath=unpatched_vllm) as bad:
-        client = client_for(bad)
+        client = bad.client()
         assert_fails_with_known_error(
             bad, lambda: client.audio.transcriptions.create(**transcription_kwargs(path, model=bad.name, language="en"))
         )
 
-    good = client_for(whisper_engine).audio.transcriptions.create(
+    good = whisper_engine.client().audio.transcriptions.create(
         **transcription_kwargs(path, model=whisper_engine.name, language="en")
     )
     assert speech.word_error_rate([text], [good.text]) < 0.35
@@ -54,10 +52,10 @@ def test_two_images_unpatched_fails_patched_passes(llava_model, unpatched_vllm, 
         pythonpath=unpatched_vllm,
         vllm_args=["--limit-mm-per-prompt", '{"image":4}'],
     ) as bad:
-        client = client_for(bad)
+        client = bad.client()
         assert_fails_with_known_error(
             bad, lambda: client.chat.completions.create(**image_chat_kwargs(images, model=bad.name))
         )
 
-    good = client_for(llava_engine).chat.completions.create(**image_chat_kwargs(images, model=llava_engine.name))
+    good = llava_engine.client().chat.completions.create(**image_chat_kwargs(images, model=llava_engine.name))
     assert good.choices[0].message.content.strip()

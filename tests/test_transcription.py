@@ -9,14 +9,12 @@ from mmcpu.checks import expect_client_error
 from mmcpu.payloads import transcription_kwargs
 from mmcpu.servers import MRV2_LOG_LINE
 
-from .conftest import client_for
-
 pytestmark = pytest.mark.slow
 WER_LIMIT = 0.35
 
 
 def transcribe_all(engine, clips, **kwargs) -> list[str]:
-    client = client_for(engine)
+    client = engine.client()
     out = []
     for path, _text in clips:
         result = client.audio.transcriptions.create(**transcription_kwargs(path, model=engine.name, **kwargs))
@@ -40,7 +38,7 @@ def test_response_format_text(whisper_engine, clips):
 
 
 def test_non_english_language_rejected(whisper_engine, clips):
-    client = client_for(whisper_engine)
+    client = whisper_engine.client()
     error = expect_client_error(
         lambda: client.audio.transcriptions.create(
             **transcription_kwargs(clips[0][0], model=whisper_engine.name, language="de")
@@ -64,7 +62,7 @@ BAD_AUDIO = {
 
 @pytest.mark.parametrize("name", BAD_AUDIO)
 def test_bad_audio_is_4xx_and_server_survives(whisper_engine, clips, name):
-    client = client_for(whisper_engine)
+    client = whisper_engine.client()
     error = expect_client_error(
         lambda: client.audio.transcriptions.create(
             **transcription_kwargs(BAD_AUDIO[name], model=whisper_engine.name, language="en")
@@ -77,7 +75,7 @@ def test_bad_audio_is_4xx_and_server_survives(whisper_engine, clips, name):
 
 def test_truncated_wav_body_is_still_transcribed_or_rejected_cleanly(whisper_engine, clips):
     """A WAV cut mid-data is decodable audio: either a 200 with text or a 4xx, never a 5xx."""
-    client = client_for(whisper_engine)
+    client = whisper_engine.client()
     data = clips[1][0].read_bytes()
     try:
         result = client.audio.transcriptions.create(
@@ -94,7 +92,7 @@ def test_truncated_wav_body_is_still_transcribed_or_rejected_cleanly(whisper_eng
 
 
 def test_unknown_model_is_404(whisper_engine, clips):
-    client = client_for(whisper_engine)
+    client = whisper_engine.client()
     expect_client_error(
         lambda: client.audio.transcriptions.create(**transcription_kwargs(clips[0][0], model="no-such-model")),
         {404},

@@ -10,13 +10,11 @@ from mmcpu.checks import expect_client_error
 from mmcpu.payloads import image_chat_kwargs, test_image
 from mmcpu.servers import MRV2_LOG_LINE
 
-from .conftest import client_for
-
 pytestmark = pytest.mark.slow
 
 
 def chat(engine, images, **kwargs) -> str:
-    result = client_for(engine).chat.completions.create(**image_chat_kwargs(images, model=engine.name, **kwargs))
+    result = engine.client().chat.completions.create(**image_chat_kwargs(images, model=engine.name, **kwargs))
     return result.choices[0].message.content
 
 
@@ -35,7 +33,7 @@ def test_images_reach_the_model(llava_engine):
 
 
 def test_streaming(llava_engine):
-    stream = client_for(llava_engine).chat.completions.create(
+    stream = llava_engine.client().chat.completions.create(
         **image_chat_kwargs([test_image(5), test_image(6)], model=llava_engine.name, stream=True)
     )
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
@@ -54,7 +52,7 @@ BAD_IMAGES = {
 
 @pytest.mark.parametrize("name", BAD_IMAGES)
 def test_bad_image_is_4xx_and_server_survives(llava_engine, name):
-    client = client_for(llava_engine)
+    client = llava_engine.client()
     error = expect_client_error(
         lambda: client.chat.completions.create(
             **image_chat_kwargs([BAD_IMAGES[name], test_image(1)], model=llava_engine.name)
@@ -65,7 +63,7 @@ def test_bad_image_is_4xx_and_server_survives(llava_engine, name):
 
 
 def test_unknown_model_is_404(llava_engine):
-    client = client_for(llava_engine)
+    client = llava_engine.client()
     expect_client_error(
         lambda: client.chat.completions.create(**image_chat_kwargs([test_image(1)], model="no-such-model")), {404}
     )
