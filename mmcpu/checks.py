@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,3 +34,26 @@ def expect_client_error(call: Callable[[], Any], statuses: range | set[int] = ra
             raise CheckFailed(f"expected HTTP {statuses}, got {exc.status_code}: {exc.response.text[:300]}") from exc
         return openai_error_body(exc.response.json())
     raise CheckFailed(f"expected an HTTP error, got a success: {str(result)[:200]}")
+
+
+_SRT_CUE = re.compile(r"(\d+)\n(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})\n(.+)")
+_VTT_CUE = re.compile(r"(\d\d:\d\d:\d\d\.\d{3}) --> (\d\d:\d\d:\d\d\.\d{3})\n(.+)")
+
+
+def subtitle_text(document: str, response_format: str) -> str:
+    """Validate an SRT or WebVTT document (numbering, timestamps, order) and return its cues' text."""
+    blocks = document.strip().split("\n\n")
+    if response_format == "vtt":
+        if blocks[0] != "WEBVTT":
+            raise CheckFailed(f"WebVTT without its header: {document[:200]!r}")
+        blocks = blocks[1:]
+    pattern = _SRT_CUE if response_format == "srt" else _VTT_CUE
+    cues = [pattern.fullmatch(block) for block in blocks]
+    if not cues or not all(cues):
+        raise CheckFailed(f"malformed {response_format}: {document[:300]!r}")
+    groups = [c.groups() if response_format == "vtt" else c.groups()[1:] for c in cues]
+    if response_format == "srt" and [int(c.group(1)) for c in cues] != list(range(1, len(cues) + 1)):
+        raise CheckFailed(f"SRT cues not numbered 1..n: {document[:300]!r}")
+    if any(start > end for start, end, _ in groups):
+        raise CheckFailed(f"{response_format} cue ends before it starts: {document[:300]!r}")
+    return " ".join(text for _, _, text in groups)
