@@ -11,13 +11,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import psutil
+import uvicorn
 
 MRV2_LOG_LINE = "Using V2 Model Runner"
 
@@ -121,3 +124,37 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServedApp:
+    """A uvicorn server in a thread on 127.0.0.1 (a free port, or a given one to come back on after stop())."""
+
+    def __init__(self, app: Any, port: int = 0) -> None:
+        self.app = app
+        self.port = port
+        self.start()
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1, access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start within 10 s")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        if self.thread.is_alive():
+            raise RuntimeError("uvicorn did not stop within 10 s")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

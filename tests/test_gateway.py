@@ -11,7 +11,6 @@ import functools
 import hashlib
 import json
 import logging
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +19,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
 from mmcpu.payloads import image_chat_kwargs, transcription_kwargs
-from mmcpu.payloads import test_image as make_image  # aliased: pytest would collect a test_* name
+from mmcpu.payloads import test_image as make_image
+from mmcpu.servers import ServedApp
 
 AUDIO_MODEL = "whisper-test"
 VISION_MODEL = "llava-test"
@@ -41,38 +40,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # --- real servers on loopback ------------------------------------------------------------------------
-class Served:
-    """A uvicorn server in a thread on 127.0.0.1 (a free port, or a given one to come back on after stop())."""
-
-    def __init__(self, app: FastAPI, port: int = 0) -> None:
-        self.app = app
-        self.port = port
-        self.start()
-
-    def start(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1, access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        assert not self.thread.is_alive()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
 class StandInEngine:
     """What a vLLM OpenAI server answers, reduced to what the gateway relies on."""
 
@@ -84,7 +51,7 @@ class StandInEngine:
         self.release = threading.Event()  # lets a held SSE stream finish
         self.stream_finished = threading.Event()
         self.stream_abandoned = threading.Event()  # the stream's reader went away before the end
-        self.served = Served(self._app())
+        self.served = ServedApp(self._app())
 
     @property
     def url(self) -> str:
@@ -203,14 +170,14 @@ def _settings(audio: StandInEngine, vision: StandInEngine, **overrides: Any) -> 
 
 
 @pytest.fixture(scope="module")
-def gateway(engines: tuple[StandInEngine, StandInEngine]) -> Iterator[Served]:
-    served = Served(create_app(_settings(*engines)))
+def gateway(engines: tuple[StandInEngine, StandInEngine]) -> Iterator[ServedApp]:
+    served = ServedApp(create_app(_settings(*engines)))
     yield served
     served.stop()
 
 
 @functools.cache
-def client_for(gateway: Served, api_key: str = "unused") -> openai.OpenAI:
+def client_for(gateway: ServedApp, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=0, timeout=30)
 
 
@@ -235,7 +202,7 @@ SPEECH = bytes(range(256)) * 200  # 51 200 arbitrary bytes: the gateway must not
 
 
 # --- happy paths with the real openai client ---------------------------------------------------------------
-def test_transcription_forwarded_byte_for_byte(gateway: Served, engines) -> None:
+def test_transcription_forwarded_byte_for_byte(gateway: ServedApp, engines) -> None:
     audio, vision = engines
     before = len(vision.requests)
     result = client_for(gateway).audio.transcriptions.create(
@@ -251,7 +218,7 @@ def test_transcription_forwarded_byte_for_byte(gateway: Served, engines) -> None
 
 
 @pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # openai marks translations deprecated
-def test_transcription_text_format_and_translation(gateway: Served, engines) -> None:
+def test_transcription_text_format_and_translation(gateway: ServedApp, engines) -> None:
     audio, _ = engines
     client = client_for(gateway)
     text = client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model=AUDIO_MODEL, response_format="text"))
@@ -261,7 +228,7 @@ def test_transcription_text_format_and_translation(gateway: Served, engines) -> 
     assert audio.requests[-1]["path"] == "/v1/audio/translations"
 
 
-def test_chunked_multipart_reaches_engine_unchanged(gateway: Served, engines) -> None:
+def test_chunked_multipart_reaches_engine_unchanged(gateway: ServedApp, engines) -> None:
     audio, _ = engines
     boundary = "mmcpu-boundary"
     body = (
@@ -282,7 +249,7 @@ def test_chunked_multipart_reaches_engine_unchanged(gateway: Served, engines) ->
     assert seen["transfer_encoding"] == "chunked" and seen["content_length"] is None
 
 
-def test_image_chat_routed_to_vision(gateway: Served, engines) -> None:
+def test_image_chat_routed_to_vision(gateway: ServedApp, engines) -> None:
     audio, vision = engines
     before = len(audio.requests)
     kwargs = image_chat_kwargs([make_image(1), make_image(2)], model=VISION_MODEL)
@@ -292,12 +259,12 @@ def test_image_chat_routed_to_vision(gateway: Served, engines) -> None:
     assert len(audio.requests) == before
 
 
-def test_shared_model_goes_to_first_engine(gateway: Served) -> None:
+def test_shared_model_goes_to_first_engine(gateway: ServedApp) -> None:
     reply = client_for(gateway).chat.completions.create(**image_chat_kwargs([make_image(3)], model=SHARED_MODEL))
     assert reply.choices[0].message.content == "audio saw 1 images"
 
 
-def test_streaming_chunks_arrive_before_upstream_finishes(gateway: Served, engines) -> None:
+def test_streaming_chunks_arrive_before_upstream_finishes(gateway: ServedApp, engines) -> None:
     _, vision = engines
     stream = client_for(gateway).chat.completions.create(
         **image_chat_kwargs([make_image(1), make_image(2)], model=VISION_MODEL, stream=True)
@@ -313,7 +280,7 @@ def test_streaming_chunks_arrive_before_upstream_finishes(gateway: Served, engin
     assert text == "vision saw 2 images"
 
 
-def test_client_gone_closes_engine_stream(gateway: Served, engines) -> None:
+def test_client_gone_closes_engine_stream(gateway: ServedApp, engines) -> None:
     _, vision = engines
     stream = client_for(gateway).chat.completions.create(
         **image_chat_kwargs([make_image(1)], model=VISION_MODEL, stream=True)
@@ -324,7 +291,7 @@ def test_client_gone_closes_engine_stream(gateway: Served, engines) -> None:
     assert not vision.stream_finished.is_set()
 
 
-def test_models_merged(gateway: Served) -> None:
+def test_models_merged(gateway: ServedApp) -> None:
     ids = [m.id for m in client_for(gateway).models.list()]
     assert ids == [AUDIO_MODEL, SHARED_MODEL, VISION_MODEL]
     assert client_for(gateway).models.retrieve(VISION_MODEL).owned_by == "vllm-vision"
@@ -332,7 +299,7 @@ def test_models_merged(gateway: Served) -> None:
     assert_openai_error(r, 404, "model_not_found")
 
 
-def test_model_table_cached_and_refreshed_on_miss(gateway: Served, engines) -> None:
+def test_model_table_cached_and_refreshed_on_miss(gateway: ServedApp, engines) -> None:
     _, vision = engines
     client = client_for(gateway)
     client.chat.completions.create(**image_chat_kwargs([make_image(1)], model=VISION_MODEL))
@@ -349,7 +316,7 @@ def test_model_table_cached_and_refreshed_on_miss(gateway: Served, engines) -> N
 
 
 # --- errors -------------------------------------------------------------------------------------------------
-def test_unknown_model_404(gateway: Served) -> None:
+def test_unknown_model_404(gateway: ServedApp) -> None:
     with pytest.raises(openai.NotFoundError):
         client_for(gateway).chat.completions.create(**image_chat_kwargs([make_image(1)], model="gpt-nope"))
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json=image_chat_kwargs([], model="gpt-nope"))
@@ -357,7 +324,7 @@ def test_unknown_model_404(gateway: Served) -> None:
     assert error["param"] == "model" and "gpt-nope" in error["message"]
 
 
-def test_bad_chat_bodies_400(gateway: Served) -> None:
+def test_bad_chat_bodies_400(gateway: ServedApp) -> None:
     r = httpx.post(f"{gateway.url}/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     assert_openai_error(r, 400, None, "invalid_request_error")
@@ -367,7 +334,7 @@ def test_bad_chat_bodies_400(gateway: Served) -> None:
     assert_openai_error(r, 404, None)
 
 
-def test_engine_errors_pass_through(gateway: Served, engines) -> None:
+def test_engine_errors_pass_through(gateway: ServedApp, engines) -> None:
     r = httpx.post(f"{gateway.url}/v1/chat/completions",
                    json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, max_tokens=5000))
     assert r.status_code == 400
@@ -382,7 +349,7 @@ def test_engine_errors_pass_through(gateway: Served, engines) -> None:
     assert caught.value.status_code == 404 and "whisper-nope" in caught.value.message
 
 
-def test_body_limit_413(gateway: Served, engines) -> None:
+def test_body_limit_413(gateway: ServedApp, engines) -> None:
     audio, vision = engines
     seen = len(audio.requests), len(vision.requests)
     big = b"\0" * (LIMIT + 1)
@@ -403,7 +370,7 @@ def test_body_limit_413(gateway: Served, engines) -> None:
 
 
 def test_timeout_504(engines) -> None:
-    served = Served(create_app(_settings(*engines, request_timeout_s=0.5)))
+    served = ServedApp(create_app(_settings(*engines, request_timeout_s=0.5)))
     try:
         r = httpx.post(f"{served.url}/v1/chat/completions",
                        json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="slow"), timeout=10)
@@ -413,7 +380,7 @@ def test_timeout_504(engines) -> None:
 
 
 def test_api_key(engines) -> None:
-    served = Served(create_app(_settings(*engines, api_key="s3cret")))
+    served = ServedApp(create_app(_settings(*engines, api_key="s3cret")))
     try:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret"}):
             r = httpx.get(f"{served.url}/v1/models", headers=headers)
@@ -434,17 +401,17 @@ def test_api_key(engines) -> None:
         served.stop()
 
 
-def test_no_api_key_configured_means_open(gateway: Served, engines) -> None:
+def test_no_api_key_configured_means_open(gateway: ServedApp, engines) -> None:
     r = httpx.get(f"{gateway.url}/v1/models")  # no Authorization header at all
     assert r.status_code == 200 and r.json()["object"] == "list"
-    served = Served(create_app(_settings(*engines, api_key="")))  # an empty MMCPU_API_KEY also means no key
+    served = ServedApp(create_app(_settings(*engines, api_key="")))  # an empty MMCPU_API_KEY also means no key
     try:
         assert client_for(served, "any-key").models.list().data
     finally:
         served.stop()
 
 
-def test_chat_without_content_type_still_json_upstream(gateway: Served, engines) -> None:
+def test_chat_without_content_type_still_json_upstream(gateway: ServedApp, engines) -> None:
     _, vision = engines
     body = json.dumps(image_chat_kwargs([make_image(4)], model=VISION_MODEL)).encode()
     r = httpx.post(f"{gateway.url}/v1/chat/completions", content=body)  # httpx sets no content-type here
@@ -454,7 +421,7 @@ def test_chat_without_content_type_still_json_upstream(gateway: Served, engines)
 
 
 # --- health, outage, metrics, logs ----------------------------------------------------------------------------
-def test_health_ok(gateway: Served) -> None:
+def test_health_ok(gateway: ServedApp) -> None:
     r = httpx.get(f"{gateway.url}/health")
     assert r.status_code == 200
     assert r.json()["down"] == [] and r.json()["engines"]["vision"]["up"] is True
@@ -462,7 +429,7 @@ def test_health_ok(gateway: Served) -> None:
 
 def test_engine_down_only_its_routes_503() -> None:
     audio, vision = _engines()
-    served = Served(create_app(_settings(audio, vision)))
+    served = ServedApp(create_app(_settings(audio, vision)))
     client = client_for(served)
     chat = image_chat_kwargs([make_image(1), make_image(2)], model=VISION_MODEL)
     try:
@@ -499,7 +466,7 @@ def test_engine_down_only_its_routes_503() -> None:
 
 def test_all_engines_down() -> None:
     audio, vision = _engines()
-    served = Served(create_app(_settings(audio, vision)))
+    served = ServedApp(create_app(_settings(audio, vision)))
     try:
         audio.served.stop()
         vision.served.stop()
@@ -513,7 +480,7 @@ def test_all_engines_down() -> None:
         served.stop()
 
 
-def test_metrics(gateway: Served) -> None:
+def test_metrics(gateway: ServedApp) -> None:
     client = client_for(gateway)
     client.chat.completions.create(**image_chat_kwargs([make_image(1)], model=VISION_MODEL))
     httpx.post(f"{gateway.url}/v1/chat/completions", json=image_chat_kwargs([], model="gpt-nope"))
@@ -529,7 +496,7 @@ def test_metrics(gateway: Served) -> None:
     assert samples[("mmcpu_gateway_engine_up", (("engine", "vision"),))] == 1
 
 
-def test_one_log_line_per_request(gateway: Served, caplog: pytest.LogCaptureFixture) -> None:
+def test_one_log_line_per_request(gateway: ServedApp, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="mmcpu.gateway")
     client_for(gateway).chat.completions.create(**image_chat_kwargs([make_image(1)], model=VISION_MODEL))
     deadline = time.monotonic() + 5

@@ -1,0 +1,66 @@
+"""The gateway in front of the session's REAL vLLM engines (MRV2, patched): one base URL for both modalities."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from mmcpu import speech
+from mmcpu.checks import expect_client_error, subtitle_text
+from mmcpu.config import Settings
+from mmcpu.gateway.app import create_app
+from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu.servers import ServedApp
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gateway(whisper_engine, llava_engine):
+    served = ServedApp(create_app(Settings(audio_url=whisper_engine.base_url, vision_url=llava_engine.base_url)))
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_models_merged_and_health(client, gateway, whisper_engine, llava_engine):
+    assert {m.id for m in client.models.list()} == {whisper_engine.name, llava_engine.name}
+    assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200
+
+
+def test_both_modalities_through_one_base_url(client, clips, whisper_engine, llava_engine):
+    (path, text) = clips[0]
+    result = client.audio.transcriptions.create(**transcription_kwargs(path, model=whisper_engine.name))
+    assert speech.word_error_rate([text], [result.text]) < 0.35
+    vtt = client.audio.transcriptions.create(**transcription_kwargs(path, model=whisper_engine.name, response_format="vtt"))
+    assert speech.word_error_rate([text], [subtitle_text(vtt, "vtt")]) < 0.35
+    reply = client.chat.completions.create(**image_chat_kwargs([test_image(1), test_image(2)], model=llava_engine.name))
+    assert reply.choices[0].message.content.strip()
+
+
+def test_streaming_chat_through_gateway(client, llava_engine):
+    stream = client.chat.completions.create(
+        **image_chat_kwargs([test_image(7), test_image(8)], model=llava_engine.name, stream=True)
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len(pieces) > 1 and "".join(pieces).strip()
+
+
+def test_engine_errors_pass_through(client, whisper_engine, llava_engine):
+    expect_client_error(
+        lambda: client.audio.transcriptions.create(**transcription_kwargs(b"", model=whisper_engine.name)), {400}
+    )
+    expect_client_error(
+        lambda: client.chat.completions.create(**image_chat_kwargs(["data:image/png;base64,@@"], model=llava_engine.name)),
+        {400},
+    )
+    error = expect_client_error(
+        lambda: client.chat.completions.create(**image_chat_kwargs([test_image(1)], model="no-such-model")), {404}
+    )
+    assert error["code"] == "model_not_found"
+    assert whisper_engine.alive() and llava_engine.alive()
