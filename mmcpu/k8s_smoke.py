@@ -6,8 +6,9 @@ image: each Deployment's container gets its user/group, read-only root, dropped 
 no-new-privileges, CPU/memory limits, emptyDir and claim volumes (as tmpfs), /dev/shm size,
 environment (ConfigMaps resolved) and args from the render; containers are reachable under their
 Service names, so the gateway's engine URLs work unchanged. Then: startup probes within their
-window, readiness/liveness, the process's real credentials, requests through the gateway (the
-checks of mmcpu.smoke), memory in use against the limit, and a stop within the grace period.
+window, readiness/liveness, the process's real credentials, MRV2 in the engine log, requests
+through the gateway (the checks of mmcpu.smoke), memory in use against the limit, and a stop
+within the grace period.
 
     python -m mmcpu.k8s_smoke [--overlay base] [--image mmcpu:latest] [--roles audio,vision,gateway]
 
@@ -140,6 +141,12 @@ def http_status(url: str, timeout: float) -> int | None:
         return None
 
 
+def container_logs(container: str, lines: int = 30) -> str:
+    proc = subprocess.run(["docker", "logs", "--tail", str(lines), container],
+                          capture_output=True, text=True)  # fmt: skip
+    return proc.stdout + proc.stderr
+
+
 def probe_url(container: str, c: k8s.Obj, probe: k8s.Obj) -> str:
     get = probe["httpGet"]
     port = get["port"]
@@ -157,13 +164,14 @@ def wait_startup(container: str, c: k8s.Obj) -> float:
     while time.monotonic() - t0 < window:
         state = json.loads(docker("inspect", "--format", "{{json .State}}", container))
         if not state["Running"]:
-            logs = docker("logs", "--tail", "30", container, check=False)
+            logs = container_logs(container)
             raise SmokeError(f"{container} exited with {state['ExitCode']} while starting:\n{logs}")
         status = http_status(url, probe.get("timeoutSeconds", 1))
         if status is not None and 200 <= status < 400:
             return time.monotonic() - t0
         time.sleep(probe.get("periodSeconds", 10))
-    raise SmokeError(f"{container}: startup probe {url} failed for its whole window of {window} s")
+    logs = container_logs(container)
+    raise SmokeError(f"{container}: startup probe {url} failed for its whole window of {window} s:\n{logs}")
 
 
 def check_credentials(container: str, pod: k8s.Obj, c: k8s.Obj) -> str:
@@ -222,6 +230,10 @@ def run(overlay: str, image: str | None, roles: list[str]) -> bool:
                     raise SmokeError(f"{name}: {kind} {url} answered {status}")
             say(f"{name}: readiness and liveness probes pass")
             say(f"{name}: {check_credentials(container, pod, c)}")
+            if k8s.is_engine(c) and k8s.container_settings(k8s.container_env(objects, c)).runner == "v2":
+                if "Using V2 Model Runner" not in container_logs(container, lines=100000):
+                    raise SmokeError(f"{name}: MMCPU_RUNNER=v2 but the log never says 'Using V2 Model Runner'")
+                say(f"{name}: the engine runs Model Runner V2")
         ok = True
         if "gateway" in roles:
             ok = smoke_through_gateway(objects, roles)
@@ -258,7 +270,7 @@ def smoke_through_gateway(objects: list[k8s.Obj], roles: list[str]) -> bool:
         # One engine: its own checks, and the gateway keeps serving it while the other modality is absent.
         if "audio" in roles:
             smoke.check("transcription-json-wer", smoke.transcription_json)
-            smoke.check("transcription-srt", smoke.transcription_srt)
+            smoke.check("transcription-text", smoke.transcription_text)
         if "vision" in roles:
             smoke.check("vision-two-images", smoke.vision_two_images)
         health = http_status(base_url.removesuffix("/v1") + "/health", 10)
