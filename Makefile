@@ -5,13 +5,14 @@
 #   make test-quick  unit tests only (no vLLM server), under a minute
 #   make latency   per-request latency MRV2 vs V1 and ready time / RSS per model (prints figures)
 #   make lock      regenerate requirements.lock from the working venv
+#   make k8s-check render every Kubernetes overlay, validate it offline, run the hardening/QoS policy
 SHELL := /bin/bash
 VENV  ?= .cache/venv
 PY    := $(VENV)/bin/python
 VLLM_VERSION ?= 0.26.0
 PYTEST_ARGS ?=
 
-.PHONY: venv models test test-quick latency lock clean-venv
+.PHONY: venv models test test-quick latency lock clean-venv k8s-check
 venv:
 	VLLM_VERSION=$(VLLM_VERSION) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
@@ -36,5 +37,8 @@ lock:
 
 clean-venv:
 	rm -rf $(VENV)
+
+k8s-check:
+	$(PY) -m mmcpu.k8s check
 
 -include docker/e2e.mk
