@@ -5,6 +5,7 @@ builders (mmcpu.payloads) and speech (mmcpu.speech):
   - transcriptions of espeak-ng sentences: WER over all of them, and the json / text / srt / vtt formats,
     each checked for being well formed and saying the same words;
   - image chats with two different images in one request; other images must give another answer;
+  - one transcription and one two-image chat at the same time;
   - bad inputs (empty file, non-audio bytes, malformed data URL, unknown model) must get 4xx OpenAI-style
     errors, and a good request must still succeed afterwards.
 One line per check; exit 0 only if every check passes. MRV2 evidence is in the engines' logs, which this
@@ -15,87 +16,23 @@ from __future__ import annotations
 
 import argparse
 import base64
-import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 
 from mmcpu import speech
-from mmcpu.checks import CheckFailed, expect_client_error
+from mmcpu.checks import CheckFailed, expect_client_error, subtitle_text
 from mmcpu.config import get_settings
 from mmcpu.launch import served_name
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
 
 WER_LIMIT = 0.35
 N_SENTENCES = 4  # >= 3 sentences; each MRV2 transcription takes a few seconds on CPU
-
-# --- subtitle formats ------------------------------------------------------------------------------
-_SRT_TIME = r"(\d{2}):(\d{2}):(\d{2}),(\d{3})"
-_VTT_TIME = r"(?:(\d{2,}):)?(\d{2}):(\d{2})\.(\d{3})"
-
-
-@dataclass
-class Cue:
-    start: float
-    end: float
-    text: str
-
-
-def _seconds(h: str | None, m: str, s: str, ms: str) -> float:
-    return int(h or 0) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000
-
-
-def _check_cues(cues: list[Cue], fmt: str) -> list[Cue]:
-    if not cues:
-        raise CheckFailed(f"{fmt}: no cues")
-    last_end = 0.0
-    for i, cue in enumerate(cues, 1):
-        if not cue.text.strip():
-            raise CheckFailed(f"{fmt}: cue {i} has no text")
-        if cue.end < cue.start or cue.start < last_end - 1e-6:
-            raise CheckFailed(f"{fmt}: cue {i} times out of order ({cue.start} --> {cue.end} after {last_end})")
-        last_end = cue.end
-    return cues
-
-
-def parse_srt(body: str) -> list[Cue]:
-    """SubRip: blocks of ``index`` / ``HH:MM:SS,mmm --> HH:MM:SS,mmm`` / text lines, blank-line separated."""
-    cues = []
-    blocks = [b for b in re.split(r"\n\s*\n", body.replace("\r\n", "\n").strip()) if b.strip()]
-    for n, block in enumerate(blocks, 1):
-        lines = block.split("\n")
-        if len(lines) < 3 or lines[0].strip() != str(n):
-            raise CheckFailed(f"srt: block {n} is not 'index / times / text': {block!r}")
-        times = re.fullmatch(rf"{_SRT_TIME} --> {_SRT_TIME}", lines[1].strip())
-        if not times:
-            raise CheckFailed(f"srt: block {n} has a malformed time line: {lines[1]!r}")
-        g = times.groups()
-        cues.append(Cue(_seconds(*g[:4]), _seconds(*g[4:]), " ".join(lines[2:])))
-    return _check_cues(cues, "srt")
-
-
-def parse_vtt(body: str) -> list[Cue]:
-    """WebVTT: a ``WEBVTT`` header, then cues of an optional identifier, ``[HH:]MM:SS.mmm --> ...``, text."""
-    text = body.replace("\r\n", "\n").strip()
-    if not re.match(r"WEBVTT(\s|$)", text):
-        raise CheckFailed(f"vtt: does not start with WEBVTT: {text[:40]!r}")
-    cues = []
-    for block in [b for b in re.split(r"\n\s*\n", text)[1:] if b.strip()]:
-        lines = block.split("\n")
-        if lines[0].startswith("NOTE"):
-            continue
-        timing_at = 0 if "-->" in lines[0] else 1
-        times = re.match(rf"{_VTT_TIME} --> {_VTT_TIME}", lines[timing_at].strip()) if len(lines) > timing_at else None
-        if not times:
-            raise CheckFailed(f"vtt: cue without a valid time line: {block!r}")
-        g = times.groups()
-        cues.append(Cue(_seconds(*g[:4]), _seconds(*g[4:]), " ".join(lines[timing_at + 1 :])))
-    return _check_cues(cues, "vtt")
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -129,10 +66,9 @@ class Smoke:
             ]
         return self._clips
 
-    def transcribe(self, audio: Path | bytes, response_format: str = "json", **kwargs) -> str:
+    def transcribe(self, audio: Path | bytes, response_format: str = "json", model: str | None = None) -> str:
         result = self.client.audio.transcriptions.create(
-            **transcription_kwargs(audio, model=kwargs.pop("model", self.audio_model), language="en",
-                                   response_format=response_format, **kwargs)
+            **transcription_kwargs(audio, model=model or self.audio_model, language="en", response_format=response_format)
         )
         return result if isinstance(result, str) else result.text
 
@@ -150,6 +86,26 @@ class Smoke:
         if missing:
             raise CheckFailed(f"/v1/models lacks {sorted(missing)}: {ids}")
         return f"{ids}"
+
+    def both_at_once(self) -> str:
+        """A transcription and a two-image chat in flight together: the gateway serves both engines at once.
+        (Also the regression run's proof: the unpatched engines each answer their first such request with
+        HTTP 500 and then exit, which stops the whole compose stack.)"""
+        with ThreadPoolExecutor(2) as pool:
+            futures = {
+                "audio": pool.submit(self.transcribe, self.clips[0][0]),
+                "vision": pool.submit(self.chat, [test_image(1), test_image(2)]),
+            }
+            results, errors = {}, []
+            for name, future in futures.items():
+                try:
+                    results[name] = future.result()
+                except openai.APIStatusError as exc:
+                    errors.append(f"{name}: HTTP {exc.status_code}: {exc.response.text[:100]}")
+        if errors:
+            raise CheckFailed("; ".join(errors))
+        self._same_words("json", results["audio"])
+        return f"audio {results['audio']!r}, vision {results['vision']!r}"
 
     def transcription_json(self) -> str:
         hyps = [self.transcribe(path) for path, _ in self.clips]
@@ -173,17 +129,14 @@ class Smoke:
         self._same_words("text", body)
         return repr(body.strip())
 
-    def transcription_srt(self) -> str:
-        body = self.transcribe(self.clips[0][0], "srt")
-        cues = parse_srt(body)
-        self._same_words("srt", " ".join(c.text for c in cues))
-        return f"{len(cues)} cue(s), {cues[0].start:.2f}-{cues[-1].end:.2f}s: {cues[0].text!r}"
+    def transcription_subtitles(self, fmt: str) -> Callable[[], str]:
+        def run() -> str:
+            body = self.transcribe(self.clips[0][0], fmt)
+            text = subtitle_text(body, fmt)  # raises unless numbering, timestamps and order are right
+            self._same_words(fmt, text)
+            return repr(body.strip().split("\n\n")[-1])
 
-    def transcription_vtt(self) -> str:
-        body = self.transcribe(self.clips[0][0], "vtt")
-        cues = parse_vtt(body)
-        self._same_words("vtt", " ".join(c.text for c in cues))
-        return f"{len(cues)} cue(s), {cues[0].start:.2f}-{cues[-1].end:.2f}s: {cues[0].text!r}"
+        return run
 
     def vision_two_images(self) -> str:
         first = self.chat([test_image(1), test_image(2)])
@@ -214,10 +167,11 @@ class Smoke:
         bad_png = "data:image/png;base64,@@@not-base64@@@"
         non_audio = b"this is not audio at all, just text pretending to be a wav file" * 20
         self.check("models", self.models_listed)
+        self.check("audio-and-vision-together", self.both_at_once)
         self.check("transcription-json-wer", self.transcription_json)
         self.check("transcription-text", self.transcription_text)
-        self.check("transcription-srt", self.transcription_srt)
-        self.check("transcription-vtt", self.transcription_vtt)
+        self.check("transcription-srt", self.transcription_subtitles("srt"))
+        self.check("transcription-vtt", self.transcription_subtitles("vtt"))
         self.check("vision-two-images", self.vision_two_images)
         self.check("bad-empty-file", self.bad(lambda: self.transcribe(b"")))
         self.check("bad-non-audio-bytes", self.bad(lambda: self.transcribe(non_audio)))
