@@ -5,6 +5,7 @@
 #   make test-quick  unit tests only (no vLLM server), under a minute
 #   make latency   per-request latency MRV2 vs V1 and ready time / RSS per model (prints figures)
 #   make lock      regenerate requirements.lock from the working venv
+#   make bench     benchmarks vs faster-whisper and the V1 runner (scripts/bench.mk; docs/benchmarks.md)
 #   make k8s-check render every Kubernetes overlay, validate it offline, run the hardening/QoS policy
 SHELL := /bin/bash
 VENV  ?= .cache/venv
@@ -42,3 +43,4 @@ k8s-check:
 	$(PY) -m mmcpu.k8s check
 
 -include docker/e2e.mk
+-include scripts/bench.mk

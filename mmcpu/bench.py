@@ -1,0 +1,469 @@
+"""Benchmark arithmetic and reporting: statistics of timed requests, ours/peer ratios, py-spy profile
+summaries and the Markdown report. Pure functions over plain data, so they are unit-tested without servers;
+``scripts/bench.py`` does the measuring.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# --- statistics ------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear interpolation between order statistics; None for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within 0..100, got {q}")
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def throughput(audio_s: float, wall_s: float) -> float | None:
+    """Seconds of audio transcribed per second of wall time (real-time factor inverse); None if no time passed."""
+    if wall_s <= 0:
+        return None
+    return audio_s / wall_s
+
+
+def ratio(ours: float | None, peer: float | None) -> float | None:
+    """ours / peer, or None when either is missing or the peer is 0 (a ratio that cannot be formed)."""
+    if ours is None or peer is None or peer == 0 or math.isnan(ours) or math.isnan(peer):
+        return None
+    return ours / peer
+
+
+@dataclass
+class Sample:
+    """One timed request: latency, the audio seconds it carried (0 for vision), the text or the error."""
+
+    latency_s: float
+    audio_s: float = 0.0
+    text: str | None = None
+    error: str | None = None
+    kind: str = ""  # e.g. "audio" / "vision" in the mixed load
+    ref: str | None = None  # reference transcript (audio)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Round:
+    """Requests sent together at one concurrency; wall time from the first send to the last answer."""
+
+    concurrency: int
+    wall_s: float
+    samples: list[Sample] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return summarize(self.samples, self.wall_s, self.concurrency)
+
+
+def summarize(samples: Sequence[Sample], wall_s: float, concurrency: int | None = None) -> dict:
+    """Figures of one round: counts, latency percentiles of the successful requests, throughput, rps."""
+    ok = [s for s in samples if s.ok]
+    lat = [s.latency_s for s in ok]
+    audio_s = sum(s.audio_s for s in ok)
+    errors = [s.error for s in samples if not s.ok]
+    return {
+        "concurrency": concurrency,
+        "n": len(samples),
+        "ok": len(ok),
+        "failures": len(errors),
+        "wall_s": wall_s,
+        "audio_s": audio_s,
+        "throughput": throughput(audio_s, wall_s) if audio_s else None,
+        "rps": len(ok) / wall_s if wall_s > 0 else None,
+        "p50_s": percentile(lat, 50),
+        "p95_s": percentile(lat, 95),
+        "mean_s": sum(lat) / len(lat) if lat else None,
+        "max_s": max(lat) if lat else None,
+        "errors": sorted(Counter(errors).items(), key=lambda kv: -kv[1])[:3],
+    }
+
+
+def merge_rounds(rounds: Iterable[Round]) -> dict:
+    """Several rounds at the SAME concurrency (e.g. repetitions) as one: walls add up, samples pool."""
+    rounds = list(rounds)
+    if not rounds:
+        raise ValueError("no rounds to merge")
+    levels = {r.concurrency for r in rounds}
+    if len(levels) != 1:
+        raise ValueError(f"rounds of different concurrency cannot be merged: {sorted(levels)}")
+    samples = [s for r in rounds for s in r.samples]
+    summary = summarize(samples, sum(r.wall_s for r in rounds), levels.pop())
+    summary["rounds"] = len(rounds)
+    return summary
+
+
+# --- py-spy profiles -------------------------------------------------------------------------------
+
+_FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+# py-spy names files relative to their sys.path entry ("triton/runtime/interpreter.py"); absolute paths also work.
+_TRITON = re.compile(r"(^|/)triton/")
+_VLLM = re.compile(r"(^|/)vllm/")
+_INTERPRETER = "triton/runtime/interpreter.py"
+NO_FRAME = ("<no Python frame>", "")
+
+
+def _frame(text: str) -> tuple[str, str]:
+    m = _FRAME.match(text.strip())
+    if not m:
+        return text.strip(), ""
+    return m["func"], m["file"]
+
+
+def _short(path: str) -> str:
+    """site-packages/vllm/v1/x.py -> vllm/v1/x.py: the import path, not where the venv happens to live."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def _name(func: str, path: str) -> str:
+    return f"{func} ({_short(path)})" if path else func
+
+
+def parse_pyspy_raw(text: str) -> list[tuple[list[tuple[str, str]], int]]:
+    """py-spy ``--format raw`` (collapsed stacks: ``root;...;leaf COUNT``) -> [(frames root first, count)]."""
+    stacks = []
+    for line in text.splitlines():
+        line = line.rstrip()
+        if not line.strip():
+            continue
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            raise ValueError(f"not a py-spy raw line: {line[:120]!r}")
+        # a sample can have no Python frame at all (the thread was in native code only): keep it in the total
+        stacks.append(([_frame(f) for f in stack.split(";")] if stack else [NO_FRAME], int(count)))
+    return stacks
+
+
+def _is_kernel_file(path: str) -> bool:
+    """Not Triton and not the standard library (the GridExecutor also calls inspect.* before the body)."""
+    top = _short(path).split("/", 1)[0].removesuffix(".py")
+    return bool(path) and not _TRITON.search(path) and top not in sys.stdlib_module_names
+
+
+def kernel_of(frames: Sequence[tuple[str, str]]) -> str | None:
+    """The Triton kernel a stack is in under the interpreter: the ``@triton.jit`` function whose Python body
+    the interpreter's GridExecutor runs. Samples in the interpreter's own launch work (argument conversion,
+    patching ``tl``) before the body starts are charged to the call site that launched the kernel."""
+    if not any(_INTERPRETER in f for _, f in frames):
+        return None
+    site = None
+    for i, (func, path) in enumerate(frames):
+        if _TRITON.search(path):
+            if func.startswith("GridExecutor.") and i + 1 < len(frames) and _is_kernel_file(frames[i + 1][1]):
+                kfunc, kpath = frames[i + 1]
+                return _name(kfunc, kpath)
+        elif site is None or not any(_TRITON.search(p) for _, p in frames[:i]):
+            site = _name(func, path)
+    return f"interpreter launch work, called from {site or 'an unknown call site'}"
+
+
+def profile_summary(text: str, top: int = 12) -> dict:
+    """Where the samples went: share under Triton's interpreter, kernels by inclusive samples, Python frames
+    by self samples (the leaf), and vLLM frames by inclusive samples."""
+    stacks = parse_pyspy_raw(text)
+    total = sum(c for _, c in stacks)
+    kernels: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    vllm_incl: Counter[str] = Counter()
+    interp = 0
+    for frames, count in stacks:
+        if any(_INTERPRETER in f for _, f in frames):
+            interp += count
+        kernel = kernel_of(frames)
+        if kernel:
+            kernels[kernel] += count
+        func, path = frames[-1]
+        leaves[_name(func, path)] += count
+        for name in {_name(fn, p) for fn, p in frames if _VLLM.search(p)}:
+            vllm_incl[name] += count
+
+    def table(counter: Counter[str]) -> list[dict]:
+        return [{"frame": k, "samples": v, "share": v / total} for k, v in counter.most_common(top)]
+
+    return {
+        "samples": total,
+        "interpreter_share": interp / total if total else None,
+        "kernels": table(kernels),
+        "self_frames": table(leaves),
+        "vllm_inclusive": table(vllm_incl),
+    }
+
+
+# --- the Markdown report ----------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 2, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{value:.0f}{unit}"
+    return f"{value:.{digits}f}{unit}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value < 0.01:
+        return f"{value:.4f}×"
+    return f"{value:.3g}×"
+
+
+def gib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**30
+
+
+def audio_level(results: dict, system: str, level: int | str) -> dict | None:
+    return results.get("audio", {}).get(system, {}).get("levels", {}).get(str(level))
+
+
+def headline_ratios(results: dict, ours: str, peers: Sequence[str]) -> list[dict]:
+    """ours/peer for each audio figure: throughput per concurrency (higher is better for ours), p50 latency,
+    peak RSS and cold start (lower is better for ours)."""
+    rows = []
+    systems = results.get("systems", {})
+    audio = results.get("audio", {})
+    levels = results.get("config", {}).get("audio_levels", [])
+    for peer in peers:
+        if peer not in audio or ours not in audio:
+            continue
+        for level in levels:
+            a, b = audio_level(results, ours, level), audio_level(results, peer, level)
+            if a and b:
+                rows.append({"peer": peer, "figure": f"throughput @c={level}",
+                             "ratio": ratio(a["throughput"], b["throughput"])})  # fmt: skip
+        if levels:  # latency at the lowest concurrency: one request alone, no queueing
+            a, b = audio_level(results, ours, levels[0]), audio_level(results, peer, levels[0])
+            if a and b:
+                rows.append({"peer": peer, "figure": f"p50 latency @c={levels[0]}",
+                             "ratio": ratio(a["p50_s"], b["p50_s"])})  # fmt: skip
+        for key, label in (("peak_rss_bytes", "peak RSS"), ("ready_s", "cold start to ready")):
+            rows.append({"peer": peer, "figure": label,
+                         "ratio": ratio(systems.get(ours, {}).get(key), systems.get(peer, {}).get(key))})  # fmt: skip
+    return rows
+
+
+def ratio_range(values: Sequence[float | None]) -> str:
+    """'0.07×–0.14×' over the ratios that exist (one value: just it)."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return "n/a"
+    if len(vals) == 1 or fmt_ratio(vals[0]) == fmt_ratio(vals[-1]):
+        return fmt_ratio(vals[0])
+    return f"{fmt_ratio(vals[0])}–{fmt_ratio(vals[-1])}"
+
+
+def summary_bullets(results: dict) -> list[str]:
+    """The findings in one line each, computed from the figures (ranges over concurrency levels)."""
+    audio, vis, systems = results.get("audio", {}), results.get("vision", {}), results.get("systems", {})
+    levels = results.get("config", {}).get("audio_levels", [])
+    ours = results.get("config", {}).get("ours", "mrv2")
+    out = []
+
+    def tp(a: str, b: str) -> str:
+        return ratio_range([ratio((audio_level(results, a, c) or {}).get("throughput"),
+                                  (audio_level(results, b, c) or {}).get("throughput")) for c in levels])  # fmt: skip
+
+    pairs = [(ours, p) for p in ("fw-int8", "fw-float32", "v1") if p in audio and p != ours]
+    if ours != "v1" and "v1" in audio:
+        pairs += [("v1", p) for p in ("fw-int8", "fw-float32") if p in audio]
+    if ours in audio and pairs:
+        lv = f"c={levels[0]}..{levels[-1]}" if levels else ""
+        out.append(f"Transcription throughput ({lv}): " + "; ".join(
+            f"{_label(results, a)} / {_label(results, b)} = {tp(a, b)}" for a, b in pairs) + ".")  # fmt: skip
+    if ours in vis and "v1" in vis and ours != "v1":
+        rps = [ratio(r.get("rps"), vis["v1"].get(kind, {}).get(c, {}).get("rps"))
+               for kind, per in vis[ours].items() for c, r in per.items()]  # fmt: skip
+        pair = f"{_label(results, ours)} / {_label(results, 'v1')}"
+        out.append(f"Vision requests per second, {pair}: {ratio_range(rps)}.")
+    wers = [f"{_label(results, k)} {fmt(d.get('wer'), 3)}" for k, d in audio.items() if d.get("wer") is not None]
+    if wers:
+        out.append("WER on the same clips (same weights, greedy): " + ", ".join(wers) + ".")
+    starts = [f"{_label(results, k)} {fmt(s_.get('ready_s'), 1)} s" for k, s_ in systems.items() if s_.get("ready_s")]
+    if starts:
+        out.append("Cold start to ready: " + ", ".join(starts) + ".")
+    mixed = results.get("mixed")
+    if mixed:
+        t = mixed["total"]
+        out.append(f"Mixed load through the gateway: {t['n']} requests at concurrency {mixed['concurrency']}, "
+                   f"{t['failures']} failures, p95 {fmt(t['p95_s'])} s.")  # fmt: skip
+    return out
+
+
+def _label(results: dict, key: str) -> str:
+    return results.get("systems", {}).get(key, {}).get("label", key)
+
+
+def render_markdown(results: dict) -> str:
+    """docs/benchmarks.md from the results dict written by scripts/bench.py."""
+    meta = results.get("meta", {})
+    cfg = results.get("config", {})
+    systems = results.get("systems", {})
+    audio = results.get("audio", {})
+    ours = cfg.get("ours", "mrv2")
+    peers = [k for k in ("fw-int8", "fw-float32", "v1") if k in audio and k != ours]
+    out: list[str] = []
+    w = out.append
+    w("# Benchmarks: vLLM MRV2 on CPU vs faster-whisper and the V1 runner\n")
+    w(f"Generated by `make bench` (`scripts/bench.py`) on {meta.get('date', '?')}; raw figures in "
+      f"[`bench/results.json`](bench/results.json), plot [`bench/throughput.png`](bench/throughput.png). "
+      f"Total run time {fmt(meta.get('elapsed_s'), 0)} s.\n")  # fmt: skip
+    w("**Read the ratios, not the absolute times.** This machine "
+      f"({meta.get('cpus', '?')} CPUs, {fmt(gib(meta.get('mem_bytes')), 0)} GiB, no GPU) was shared with other "
+      f"work during the run: load average {meta.get('loadavg_start', '?')} at the start, "
+      f"{meta.get('loadavg_end', '?')} at the end. All systems were measured interleaved (round-robin per "
+      "concurrency level), so they saw the same load; ratios between them are the stable figure.\n")  # fmt: skip
+
+    bullets = summary_bullets(results)
+    if bullets:
+        w("## In short\n")
+        for b in bullets:
+            w(f"- {b}")
+        w("")
+
+    # headline
+    w("## Headline: ours / peer\n")
+    w(f"Ours = **{_label(results, ours)}**. Throughput ratio > 1 means we are faster; latency, memory and "
+      "cold-start ratios > 1 mean we are slower / bigger.\n")  # fmt: skip
+    blocks = [(ours, headline_ratios(results, ours, peers))]
+    if "v1" in audio and ours != "v1":
+        blocks.append(("v1", headline_ratios(results, "v1", [p for p in peers if p.startswith("fw")])))
+    columns = list(dict.fromkeys((o, r["peer"]) for o, block in blocks for r in block))
+    figures = list(dict.fromkeys(r["figure"] for _, block in blocks for r in block))
+    if columns:
+        w("| figure | " + " | ".join(f"{_label(results, o)} / {_label(results, p)}" for o, p in columns) + " |")
+        w("|---|" + "---|" * len(columns))
+        lookup = {(o, r["peer"], r["figure"]): r["ratio"] for o, block in blocks for r in block}
+        for fig in figures:
+            w(f"| {fig} | " + " | ".join(fmt_ratio(lookup.get((o, p, fig))) for o, p in columns) + " |")
+        w("")
+    vis = results.get("vision", {})
+    if ours in vis and "v1" in vis and ours != "v1":
+        w("Vision, " + _label(results, ours) + " / " + _label(results, "v1") + ":\n")
+        w("| chat | concurrency | rps ratio | p50 latency ratio |")
+        w("|---|---|---|---|")
+        for kind in ("1img", "2img"):
+            for level, a in vis[ours].get(kind, {}).items():
+                b = vis["v1"].get(kind, {}).get(level)
+                if b:
+                    w(f"| {kind.replace('img', ' image(s)')} | {level} | {fmt_ratio(ratio(a['rps'], b['rps']))} | "
+                      f"{fmt_ratio(ratio(a['p50_s'], b['p50_s']))} |")  # fmt: skip
+        w("")
+
+    # systems
+    w("## Systems\n")
+    w("| system | how it is called | cold start to ready (s) | peak RSS (GiB) | LLaVA engine: ready (s) / "
+      "peak RSS (GiB) | gateway peak RSS (GiB) |")  # fmt: skip
+    w("|---|---|---|---|---|---|")
+    for key, s in systems.items():
+        vision = "n/a"
+        if s.get("vision_ready_s") is not None or s.get("peak_rss_vision_bytes") is not None:
+            vision = f"{fmt(s.get('vision_ready_s'), 1)} / {fmt(gib(s.get('peak_rss_vision_bytes')), 2)}"
+        w(f"| {s.get('label', key)} | {s.get('how', '')} | {fmt(s.get('ready_s'), 1)} | "
+          f"{fmt(gib(s.get('peak_rss_bytes')), 2)} | {vision} | "
+          f"{fmt(gib(s.get('peak_rss_gateway_bytes')), 2)} |")  # fmt: skip
+    w("")
+    for note in cfg.get("notes", []):
+        w(f"- {note}")
+    w("")
+
+    # audio
+    if audio:
+        w("## Transcription (Whisper tiny.en, the same weights everywhere)\n")
+        w("Clips: espeak-ng speech at 130 wpm, 16 kHz mono: "
+          + ", ".join(f"{c['seconds']:.1f} s" for c in results.get("clips", [])) + ". "
+          "Throughput = seconds of audio transcribed per wall-clock second over the round "
+          "(all requests of a round are sent at once, at most *concurrency* in flight).\n")  # fmt: skip
+        w("| system | concurrency | requests | failures | audio s | wall s | throughput (audio s / s) | p50 s "
+          "| p95 s |")  # fmt: skip
+        w("|---|---|---|---|---|---|---|---|---|")
+        for key, data in audio.items():
+            for level, r in data.get("levels", {}).items():
+                w(f"| {_label(results, key)} | {level} | {r['n']} | {r['failures']} | {fmt(r['audio_s'], 1)} | "
+                  f"{fmt(r['wall_s'], 1)} | {fmt(r['throughput'], 2)} | {fmt(r['p50_s'], 2)} | "
+                  f"{fmt(r['p95_s'], 2)} |")  # fmt: skip
+        w("")
+        w("| system | WER (all its transcriptions pooled) | transcriptions |")
+        w("|---|---|---|")
+        for key, data in audio.items():
+            w(f"| {_label(results, key)} | {fmt(data.get('wer'), 3)} | {data.get('wer_n', 0)} |")
+        w("")
+        w("![throughput vs concurrency](bench/throughput.png)\n")
+
+    if vis:
+        w("## Vision (tiny random-weight LLaVA, 16 output tokens)\n")
+        w("| system | chat | concurrency | requests | failures | rps | p50 s | p95 s |")
+        w("|---|---|---|---|---|---|---|---|")
+        for key, data in vis.items():
+            for kind in ("1img", "2img"):
+                for level, r in data.get(kind, {}).items():
+                    w(f"| {_label(results, key)} | {kind.replace('img', ' image(s)')} | {level} | {r['n']} | "
+                      f"{r['failures']} | {fmt(r['rps'], 2)} | {fmt(r['p50_s'], 2)} | "
+                      f"{fmt(r['p95_s'], 2)} |")  # fmt: skip
+        w("")
+
+    mixed = results.get("mixed")
+    if mixed:
+        w("## Mixed load through the gateway\n")
+        t = mixed["total"]
+        mix = ", ".join(f"{k}: {v['n']}" for k, v in mixed["by_kind"].items())
+        w(f"{t['n']} requests ({mix}) at concurrency "
+          f"{mixed['concurrency']} through the gateway to {_label(results, mixed['system'])}: "
+          f"**{t['failures']} failures**, p95 {fmt(t['p95_s'])} s, p50 {fmt(t['p50_s'])} s, "
+          f"wall {fmt(t['wall_s'], 1)} s.\n")  # fmt: skip
+        w("| kind | requests | failures | p50 s | p95 s |")
+        w("|---|---|---|---|---|")
+        for kind, r in mixed["by_kind"].items():
+            w(f"| {kind} | {r['n']} | {r['failures']} | {fmt(r['p50_s'])} | {fmt(r['p95_s'])} |")
+        if t["errors"]:
+            w("\nErrors: " + "; ".join(f"{n}× {e}" for e, n in t["errors"]))
+        w("")
+
+    image = results.get("image")
+    if image:
+        w("## Image size\n")
+        for line in image.get("lines", []):
+            w(f"- {line}")
+        w("")
+
+    prof = results.get("profile", {})
+    if prof:
+        w("## Profile of the MRV2 path (py-spy on the engine's worker process)\n")
+        w("Sampled with `py-spy record --nonblocking --format raw` on vLLM's worker process (the model runner). "
+          "*Kernel* = the `@triton.jit` function whose Python body Triton's interpreter was executing (inclusive "
+          "samples; the interpreter's own launch work is charged to the launching call site); *self* = the "
+          "innermost Python frame, including native code it called. Kernels with a large share are the first "
+          "candidates for CPU-native replacements.\n")  # fmt: skip
+        for name, p in prof.items():
+            if "error" in p:
+                w(f"### {name}\n\nnot profiled: {p['error']}\n")
+                continue
+            w(f"### {name}: {p['samples']} samples, {fmt(100 * (p['interpreter_share'] or 0), 1)} % under "
+              "Triton's interpreter\n")  # fmt: skip
+            for title, key in (("Triton kernels (inclusive)", "kernels"), ("Python frames (self)", "self_frames"),
+                               ("vLLM frames (inclusive)", "vllm_inclusive")):  # fmt: skip
+                w(f"{title}:\n")
+                w("| frame | samples | share |")
+                w("|---|---|---|")
+                for row in p[key][:10]:
+                    w(f"| `{row['frame']}` | {row['samples']} | {fmt(100 * row['share'], 1)} % |")
+                w("")
+    w("## Method and caveats\n")
+    for note in cfg.get("method", []):
+        w(f"- {note}")
+    w("")
+    return "\n".join(out)
