@@ -31,6 +31,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_ok(url: str, proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> None:
+    """Poll ``url`` until it answers 200; fail early, with the log's tail, if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:]) if log_path.exists() else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode} (log: {log_path}):\n{tail}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s (log: {log_path})")
+
+
 @dataclass
 class Engine:
     model: Path
@@ -73,18 +89,7 @@ class Engine:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = "\n".join(self.log().splitlines()[-30:])
-                raise RuntimeError(f"vLLM for {self.model} exited with {self.proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM for {self.model} not ready after {timeout_s:.0f}s (log: {self.log_path})")
+        wait_until_ok(f"{self.base_url}/health", self.proc, timeout_s, f"vLLM for {self.model}", self.log_path)
 
     def client(self, timeout_s: float = 300) -> openai.OpenAI:
         # max_retries=0: a failing request must show up as the failure it is, not be retried into another.

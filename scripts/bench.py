@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import soundfile
@@ -46,7 +45,7 @@ from mmcpu import bench, speech
 from mmcpu.config import REPO_ROOT, get_settings
 from mmcpu.fixtures import whisper_ct2
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.servers import Engine, free_port
+from mmcpu.servers import Engine, free_port, wait_until_ok
 
 # Published size of upstream's CPU image, for the comparison with ours (see the doc for what each figure is).
 UPSTREAM_IMAGE = [
@@ -246,19 +245,11 @@ class Gateway:
             [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode} (log {log_path})")
-            try:
-                if httpx.get(f"{self.url}/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"gateway not answering after 60 s (log {log_path})")
-            time.sleep(0.3)
+        try:
+            wait_until_ok(f"{self.url}/ping", self.proc, 60, "gateway", log_path)
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:
