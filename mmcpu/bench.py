@@ -155,38 +155,50 @@ def _is_kernel_file(path: str) -> bool:
     return bool(path) and not _TRITON.search(path) and top not in sys.stdlib_module_names
 
 
-def kernel_of(frames: Sequence[tuple[str, str]]) -> str | None:
-    """The Triton kernel a stack is in under the interpreter: the ``@triton.jit`` function whose Python body
-    the interpreter's GridExecutor runs. Samples in the interpreter's own launch work (argument conversion,
-    patching ``tl``) before the body starts are charged to the call site that launched the kernel."""
+def launch_of(frames: Sequence[tuple[str, str]]) -> tuple[str, str | None] | None:
+    """For a stack under Triton's interpreter: (the call site that launched the kernel, the ``@triton.jit``
+    function whose Python body the interpreter's GridExecutor is running - None while the interpreter is still
+    doing its launch work: argument conversion, patching ``tl``). None for a stack outside the interpreter."""
     if not any(_INTERPRETER in f for _, f in frames):
         return None
-    site = None
+    site, in_triton = None, False
     for i, (func, path) in enumerate(frames):
         if _TRITON.search(path):
+            in_triton = True
             if func.startswith("GridExecutor.") and i + 1 < len(frames) and _is_kernel_file(frames[i + 1][1]):
-                kfunc, kpath = frames[i + 1]
-                return _name(kfunc, kpath)
-        elif site is None or not any(_TRITON.search(p) for _, p in frames[:i]):
+                return site or "an unknown call site", _name(*frames[i + 1])
+        elif not in_triton:
             site = _name(func, path)
-    return f"interpreter launch work, called from {site or 'an unknown call site'}"
+    return site or "an unknown call site", None
+
+
+def kernel_of(frames: Sequence[tuple[str, str]]) -> str | None:
+    """The kernel a stack is in under the interpreter; the interpreter's launch work is charged to its call site."""
+    launch = launch_of(frames)
+    if launch is None:
+        return None
+    site, kernel = launch
+    return kernel or f"interpreter launch work, called from {site}"
 
 
 def profile_summary(text: str, top: int = 12) -> dict:
-    """Where the samples went: share under Triton's interpreter, kernels by inclusive samples, Python frames
-    by self samples (the leaf), and vLLM frames by inclusive samples."""
+    """Where the samples went: share under Triton's interpreter, kernels by inclusive samples, Triton launches
+    by call site (kernel body + launch work), Python frames by self samples (the leaf), vLLM frames inclusive."""
     stacks = parse_pyspy_raw(text)
     total = sum(c for _, c in stacks)
     kernels: Counter[str] = Counter()
+    sites: Counter[str] = Counter()
     leaves: Counter[str] = Counter()
     vllm_incl: Counter[str] = Counter()
     interp = 0
     for frames, count in stacks:
         if any(_INTERPRETER in f for _, f in frames):
             interp += count
-        kernel = kernel_of(frames)
-        if kernel:
-            kernels[kernel] += count
+        launch = launch_of(frames)
+        if launch:
+            site, kernel = launch
+            sites[site] += count
+            kernels[kernel or f"interpreter launch work, called from {site}"] += count
         func, path = frames[-1]
         leaves[_name(func, path)] += count
         for name in {_name(fn, p) for fn, p in frames if _VLLM.search(p)}:
@@ -199,6 +211,7 @@ def profile_summary(text: str, top: int = 12) -> dict:
         "samples": total,
         "interpreter_share": interp / total if total else None,
         "kernels": table(kernels),
+        "launch_sites": table(sites),
         "self_frames": table(leaves),
         "vllm_inclusive": table(vllm_incl),
     }
@@ -387,7 +400,9 @@ def render_markdown(results: dict) -> str:
         w("Clips: espeak-ng speech at 130 wpm, 16 kHz mono: "
           + ", ".join(f"{c['seconds']:.1f} s" for c in results.get("clips", [])) + ". "
           "Throughput = seconds of audio transcribed per wall-clock second over the round "
-          "(all requests of a round are sent at once, at most *concurrency* in flight).\n")  # fmt: skip
+          "(all requests of a round are sent at once, at most *concurrency* in flight). Each level has its own "
+          "request list (see Method; MRV2's time budget), so compare systems within a level; across levels the "
+          "clip mix changes, and short clips cost more per audio second (Whisper's encoder always sees 30 s).\n")  # fmt: skip
         w("| system | concurrency | requests | failures | audio s | wall s | throughput (audio s / s) | p50 s "
           "| p95 s |")  # fmt: skip
         w("|---|---|---|---|---|---|---|---|---|")
@@ -446,16 +461,21 @@ def render_markdown(results: dict) -> str:
         w("Sampled with `py-spy record --nonblocking --format raw` on vLLM's worker process (the model runner). "
           "*Kernel* = the `@triton.jit` function whose Python body Triton's interpreter was executing (inclusive "
           "samples; the interpreter's own launch work is charged to the launching call site); *self* = the "
-          "innermost Python frame, including native code it called. Kernels with a large share are the first "
-          "candidates for CPU-native replacements.\n")  # fmt: skip
+          "innermost Python frame, including native code it called; 'an unknown call site' = samples whose stack "
+          "py-spy read only partly (non-blocking sampling). Kernels with a large share are the first candidates "
+          "for CPU-native replacements.\n")  # fmt: skip
         for name, p in prof.items():
             if "error" in p:
                 w(f"### {name}\n\nnot profiled: {p['error']}\n")
                 continue
             w(f"### {name}: {p['samples']} samples, {fmt(100 * (p['interpreter_share'] or 0), 1)} % under "
               "Triton's interpreter\n")  # fmt: skip
-            for title, key in (("Triton kernels (inclusive)", "kernels"), ("Python frames (self)", "self_frames"),
-                               ("vLLM frames (inclusive)", "vllm_inclusive")):  # fmt: skip
+            tables = (("Triton launches by call site (kernel body + the interpreter's launch work)", "launch_sites"),
+                      ("Triton kernels (inclusive)", "kernels"), ("Python frames (self)", "self_frames"),
+                      ("vLLM frames (inclusive)", "vllm_inclusive"))  # fmt: skip
+            for title, key in tables:
+                if key not in p:
+                    continue
                 w(f"{title}:\n")
                 w("| frame | samples | share |")
                 w("|---|---|---|")

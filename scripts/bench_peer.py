@@ -115,7 +115,8 @@ def plot(results_path: Path, out: Path) -> int:
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("throughput (audio seconds / wall second, log)")
     meta = results.get("meta", {})
-    ax.set_title(f"Whisper tiny.en on {meta.get('cpus', '?')} CPUs (load avg {meta.get('loadavg_start', '?')})")
+    ax.set_title(f"Whisper tiny.en on {meta.get('cpus', '?')} CPUs (load avg {meta.get('loadavg_start', '?')})\n"
+                 "each level has its own clip mix: compare systems within a level", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -94,6 +94,11 @@ def test_profile_summary_attributes_samples_to_kernels_and_frames():
         "_apply_write_kernel (vllm/v1/worker/gpu/buffer_utils.py)": 1,  # absolute paths are shortened
     }
     assert p["kernels"][0]["share"] == pytest.approx(0.5)
+    sites = {k["frame"]: k["samples"] for k in p["launch_sites"]}
+    assert sites == {
+        "gumbel_sample (vllm/v1/worker/gpu/sample/gumbel.py)": 7,  # its kernel body + its launch work
+        "write (vllm/v1/worker/gpu/buffer_utils.py)": 1,
+    }
     leaves = {k["frame"]: k["samples"] for k in p["self_frames"]}
     assert leaves["mul (triton/language/core.py)"] == 5
     assert leaves["forward (torch/nn/modules/module.py)"] == 1  # vllm/triton_utils is not Triton
