@@ -26,6 +26,11 @@ class Settings(BaseSettings):
     triton_interpret: bool = Field(
         True, description="run MRV2's Triton kernels in Triton's interpreter (no triton-cpu on PyPI)"
     )
+    kernels: Literal["native", "interpreter"] = Field(
+        "native",
+        description="MRV2's Triton kernels: 'native' = torch implementations (mmcpu.kernels), falling back to "
+        "the interpreter per kernel when its guard does not match; 'interpreter' = all in Triton's interpreter",
+    )
     max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
     dtype: str = Field("auto", description="--dtype for vLLM")
     compile: bool = Field(

@@ -1,0 +1,1 @@
+"""Native ``vllm/.../block_table.py``."""

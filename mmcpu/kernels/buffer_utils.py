@@ -1,0 +1,1 @@
+"""Native ``vllm/.../buffer_utils.py``."""

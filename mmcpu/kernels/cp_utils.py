@@ -1,0 +1,1 @@
+"""Native ``vllm/.../cp_utils.py``."""

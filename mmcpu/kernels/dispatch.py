@@ -1,0 +1,205 @@
+"""One dispatch point: every Triton launch under ``TRITON_INTERPRET=1`` goes through here.
+
+With the interpreter on, ``@triton.jit`` returns a ``triton.runtime.interpreter.InterpretedFunction`` and
+``kernel[grid](*args, **kw)`` calls ``InterpretedFunction.run(*args, grid=grid, warmup=False, **kw)``.
+:func:`install` wraps that one method. A launch whose kernel has a registered native implementation whose
+guard matches (the kernel's argument names and the SHA-256 of its source) runs the torch code instead; any
+other launch runs in the interpreter, as before, and is counted. No vLLM launcher is edited.
+
+Native implementations are plain functions ``impl(grid, <the kernel's arguments by name>)`` registered with
+:func:`native`; the guard's argument names are read from that signature, so an implementation cannot silently
+drift from the kernel it replaces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import logging
+import textwrap
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("mmcpu.kernels")
+
+# Modules that register native kernels (mirroring the vLLM files they replace). Imported by install().
+NATIVE_MODULES = (
+    "mmcpu.kernels.block_table",
+    "mmcpu.kernels.buffer_utils",
+    "mmcpu.kernels.input_batch",
+    "mmcpu.kernels.structured_outputs",
+    "mmcpu.kernels.utils",
+    "mmcpu.kernels.cp_utils",
+    "mmcpu.kernels.metrics.logits",
+    "mmcpu.kernels.mm.rope",
+    "mmcpu.kernels.sample.gumbel",
+    "mmcpu.kernels.sample.min_p",
+    "mmcpu.kernels.sample.penalties",
+    "mmcpu.kernels.sample.logit_bias",
+    "mmcpu.kernels.sample.bad_words",
+    "mmcpu.kernels.sample.logprob",
+    "mmcpu.kernels.sample.prompt_logprob",
+    "mmcpu.kernels.topk_topp",
+)
+
+# Launch options Triton accepts beside the kernel's own arguments; never part of a kernel's signature.
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid"})
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    module: str  # vLLM module defining the kernel, e.g. "vllm.v1.worker.gpu.block_table"
+    name: str  # the kernel function's name
+    source_sha256: str  # SHA-256 of the kernel's dedented source (inspect.getsource) it was written against
+    arg_names: tuple[str, ...]  # read from impl's signature, after its leading ``grid``
+    impl: Callable[..., Any]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.module, self.name)
+
+
+REGISTRY: dict[tuple[str, str], NativeKernel] = {}
+
+
+def native(module: str, name: str, *, sha256: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``impl`` as the native version of vLLM kernel ``module.name`` (source hash ``sha256``)."""
+
+    def register(impl: Callable[..., Any]) -> Callable[..., Any]:
+        params = list(inspect.signature(impl).parameters)
+        if not params or params[0] != "grid":
+            raise TypeError(f"{impl.__qualname__}: a native kernel's first parameter must be 'grid'")
+        entry = NativeKernel(module, name, sha256, tuple(params[1:]), impl)
+        if entry.key in REGISTRY:
+            raise ValueError(f"native kernel {module}.{name} registered twice")
+        REGISTRY[entry.key] = entry
+        return impl
+
+    return register
+
+
+def kernel_source_sha256(fn: Callable[..., Any]) -> str:
+    """The guard's hash of a kernel's Python function (decorator line included, indentation removed)."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()
+
+
+def load_native_modules() -> dict[tuple[str, str], NativeKernel]:
+    for mod in NATIVE_MODULES:
+        importlib.import_module(mod)
+    return REGISTRY
+
+
+# ------------------------------------------------------------------------------------------------------
+# Guard and launch
+
+
+@dataclass
+class Stats:
+    native: Counter = field(default_factory=Counter)  # kernel name -> launches run natively
+    interpreter: Counter = field(default_factory=Counter)  # kernel name -> launches left to the interpreter
+
+    def summary(self) -> str:
+        n_nat, n_int = sum(self.native.values()), sum(self.interpreter.values())
+        text = f"kernel launches: {n_nat} native, {n_int} interpreted"
+        if n_int:
+            text += " (" + ", ".join(f"{k} x{v}" for k, v in self.interpreter.most_common()) + ")"
+        return text
+
+
+STATS = Stats()
+_decisions: dict[Any, NativeKernel | None] = {}  # kernel fn object -> its native impl, or None = interpreter
+_original_run: Callable[..., Any] | None = None
+_mode: str | None = None
+
+
+def guard(fn: Callable[..., Any], arg_names: list[str]) -> tuple[NativeKernel | None, str]:
+    """Which native implementation may replace kernel ``fn``, and why (or why not)."""
+    entry = REGISTRY.get((fn.__module__, fn.__name__))
+    if entry is None:
+        return None, "no native implementation"
+    if tuple(arg_names) != entry.arg_names:
+        return None, f"argument names changed: kernel {tuple(arg_names)} vs native {entry.arg_names}"
+    try:
+        sha = kernel_source_sha256(fn)
+    except (OSError, TypeError) as exc:
+        return None, f"kernel source unreadable ({exc})"
+    if sha != entry.source_sha256:
+        return None, f"kernel source changed (sha256 {sha[:12]}, native written for {entry.source_sha256[:12]})"
+    return entry, "guard matches"
+
+
+def _decide(kernel: Any) -> NativeKernel | None:
+    fn = kernel.fn
+    if fn in _decisions:
+        return _decisions[fn]
+    entry, why = guard(fn, kernel.arg_names) if _mode == "native" else (None, "MMCPU_KERNELS=interpreter")
+    if entry is None and _mode == "native" and (fn.__module__, fn.__name__) in REGISTRY:
+        # A kernel we know, but whose code moved under us: never run stale native code.
+        logger.warning("Triton kernel %s.%s runs in the interpreter: %s", fn.__module__, fn.__name__, why)
+    _decisions[fn] = entry
+    return entry
+
+
+def run_native(entry: NativeKernel, arg_names: list[str], grid: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Call ``entry.impl`` with a launch's arguments (positional + keyword, launch options dropped)."""
+    call = dict(zip(arg_names, args))
+    for key, value in kwargs.items():
+        if key not in LAUNCH_OPTIONS:
+            call[key] = value
+    if callable(grid):
+        grid = grid(call)
+    return entry.impl(grid, **call)
+
+
+def _run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+    if warmup:
+        return None
+    entry = _decide(self)
+    if entry is not None:
+        STATS.native[entry.name] += 1
+        return run_native(entry, self.arg_names, grid, args, kwargs)
+    STATS.interpreter[self.fn.__name__] += 1
+    return _original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+
+def interpret(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``kernel`` in Triton's interpreter, bypassing native dispatch (the tests' reference)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = _original_run or InterpretedFunction.run
+    return run(kernel, *args, grid=grid, warmup=False, **kwargs)
+
+
+def install(mode: str = "native") -> bool:
+    """Route Triton interpreter launches through the native registry. Idempotent; True if installed."""
+    global _original_run, _mode
+    if mode not in ("native", "interpreter"):
+        raise ValueError(f"MMCPU_KERNELS must be 'native' or 'interpreter', not {mode!r}")
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError as exc:  # no triton: nothing launches Triton kernels either
+        logger.warning("native kernels not installed: triton unavailable (%s)", exc)
+        return False
+    if mode == "native":
+        load_native_modules()
+    if _mode != mode:
+        _decisions.clear()
+    _mode = mode
+    if _original_run is None:
+        _original_run = InterpretedFunction.run
+        InterpretedFunction.run = _run
+    logger.info("MRV2 Triton kernels: MMCPU_KERNELS=%s (%d native implementations)", mode, len(REGISTRY))
+    return True
+
+
+def uninstall() -> None:
+    global _original_run, _mode
+    if _original_run is not None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = _original_run
+    _original_run, _mode = None, None
+    _decisions.clear()

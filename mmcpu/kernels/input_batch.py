@@ -1,0 +1,1 @@
+"""Native ``vllm/.../input_batch.py``."""

@@ -1,0 +1,1 @@
+"""Native ``vllm/.../metrics/logits.py``."""

@@ -1,0 +1,1 @@
+"""Native ``vllm/.../mm/rope.py``."""

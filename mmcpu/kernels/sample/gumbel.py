@@ -1,0 +1,1 @@
+"""Native ``vllm/.../sample/gumbel.py``."""

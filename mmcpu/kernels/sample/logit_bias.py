@@ -1,0 +1,1 @@
+"""Native ``vllm/.../sample/logit_bias.py``."""

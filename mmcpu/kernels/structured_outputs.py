@@ -1,0 +1,1 @@
+"""Native ``vllm/.../structured_outputs.py``."""

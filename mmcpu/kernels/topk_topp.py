@@ -1,0 +1,1 @@
+"""Native ``vllm/.../topk_topp.py``."""

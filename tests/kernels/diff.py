@@ -1,0 +1,79 @@
+"""Differential harness: launch a vLLM Triton kernel in the interpreter and its native version on twin
+inputs, then compare every tensor either may have written.
+
+A *case factory* ``make(seed) -> Launch`` must build fresh inputs from ``seed`` alone (call it twice, get two
+independent but identical worlds, pointer tables included). ``Launch.watch`` lists every tensor of that world
+- arguments and memory reached through pointer tables - so that writes to any of them, intended or not, are
+compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmcpu.kernels import dispatch
+
+
+@dataclass
+class Launch:
+    grid: Any
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    watch: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> tensor (compared after the launch)
+    keep: list[Any] = field(default_factory=list)  # anything that must stay alive (buffers behind pointers)
+
+
+def native_entry(kernel: Any) -> dispatch.NativeKernel:
+    """The registered native implementation of ``kernel``, guard checked (fails the test if stale)."""
+    dispatch.load_native_modules()
+    entry, why = dispatch.guard(kernel.fn, kernel.arg_names)
+    assert entry is not None, f"{kernel.fn.__name__}: {why}"
+    return entry
+
+
+def run_interpreter(kernel: Any, launch: Launch) -> None:
+    dispatch.interpret(kernel, launch.grid, *launch.args, **launch.kwargs)
+
+
+def run_native(kernel: Any, launch: Launch) -> None:
+    entry = native_entry(kernel)
+    dispatch.run_native(entry, kernel.arg_names, launch.grid, launch.args, launch.kwargs)
+
+
+def assert_same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], *, what: str,
+                atol: dict[str, float] | None = None) -> None:
+    """Bit-exact comparison (NaN == NaN), or within ``atol[name]`` for the names given there."""
+    assert ref.keys() == got.keys()
+    for name in ref:
+        a, b = ref[name], got[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {name} shape/dtype differ"
+        tol = (atol or {}).get(name)
+        if tol is None:
+            bad = a != b
+            if a.is_floating_point():
+                bad &= ~(a.isnan() & b.isnan())
+            if bool(bad.any()):
+                idx = bad.nonzero()[:5].tolist()
+                raise AssertionError(f"{what}: {name} differs at {idx} ({int(bad.sum())} elements): "
+                                     f"ref {[a[tuple(i)].item() for i in idx]} native {[b[tuple(i)].item() for i in idx]}")
+        else:
+            torch.testing.assert_close(b, a, atol=tol, rtol=0, equal_nan=True, msg=lambda m: f"{what}: {name}: {m}")
+
+
+def differential(kernel: Any, make: Callable[[int], Launch], seeds: range | list[int], *,
+                 atol: dict[str, float] | None = None) -> int:
+    """Run every seed's case both ways and compare; returns how many cases ran."""
+    n = 0
+    for seed in seeds:
+        ref, got = make(seed), make(seed)
+        before = {k: v.clone() for k, v in got.watch.items()}
+        run_interpreter(kernel, ref)
+        run_native(kernel, got)
+        assert_same(ref.watch, got.watch, what=f"{kernel.fn.__name__} seed={seed}", atol=atol)
+        assert before.keys() == got.watch.keys()
+        n += 1
+    return n
