@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("mmcpu.kernels")
+# A child of vLLM's logger, so these lines land in the engine log with vLLM's format and level.
+logger = logging.getLogger("vllm.mmcpu.kernels")
 
 # Modules that register native kernels (mirroring the vLLM files they replace). Imported by install().
 NATIVE_MODULES = (
