@@ -61,6 +61,13 @@ def patched_vllm() -> Path:
     return site
 
 
+def assert_no_interpreted_launches(engine: Engine) -> None:
+    """At shutdown the worker logs its launch counts (patches/0008): a whole session's traffic, all native."""
+    lines = [line for line in engine.log().splitlines() if "MRV2 kernel launches:" in line and "at shutdown" in line]
+    assert lines, f"no shutdown launch count in {engine.log_path}"
+    assert ", 0 interpreted" in lines[-1], lines[-1]
+
+
 def _engine(model: Path, logs_dir: Path, tag: str, **kwargs) -> Engine:
     return Engine(model=model, log_path=logs_dir / f"{model.name}-{tag}.log", **kwargs)
 
@@ -71,6 +78,7 @@ def whisper_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
     print(f"\n[whisper MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     engine.stop()
+    assert_no_interpreted_launches(engine)
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +87,7 @@ def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
     print(f"\n[llava MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     engine.stop()
+    assert_no_interpreted_launches(engine)
 
 
 
