@@ -1,0 +1,96 @@
+"""``_bias_kernel`` (allowed_token_ids, logit_bias, min_tokens): native vs interpreter, bit-exact.
+
+Logit-bias token ids are unique per request, as vLLM builds them from a dict; with duplicates the kernel's
+result would depend on store order (undefined on a GPU). bfloat16 logits: the interpreter cannot build bf16
+constants (the kernel stores -inf), so bf16 is checked against the interpreter's fp32 result on the upcast
+input, cast back: the kernel copies kept values unchanged and rounds a biased value once on store, so that is
+its bf16 result exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diff import Launch, assert_same, differential, run_interpreter, run_native
+
+from mmcpu.kernels import dispatch
+from vllm.triton_utils import triton
+from vllm.v1.worker.gpu.sample import logit_bias as vmod
+
+SHAPES = [(1, 100), (4, 1000), (6, 5003)]  # (requests, vocab)
+K_ALLOWED, K_BIAS, K_STOP = vmod.MAX_NUM_ALLOWED_TOKEN_IDS, vmod.MAX_NUM_LOGIT_BIAS_TOKENS, vmod.MAX_NUM_STOP_TOKEN_IDS
+
+
+def make_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, logits_block: int = 8192):
+    def make(seed: int) -> Launch:
+        g = torch.Generator().manual_seed(seed)
+        max_reqs = num_reqs + 3
+        req_ids = torch.randperm(max_reqs, generator=g)[:num_reqs]
+        # Some requests have draft tokens: their id repeats in the expanded mapping.
+        mapping = req_ids.repeat_interleave(torch.randint(1, 3, (num_reqs,), generator=g)).to(torch.int32)
+        num_tokens = mapping.numel()
+        logits = (torch.randn(num_tokens + 1, vocab + 3, generator=g) * 3).to(dtype)
+        on = lambda p: torch.rand(max_reqs, generator=g) < p  # noqa: E731
+        upto = lambda k: torch.randint(1, k + 1, (max_reqs,), generator=g, dtype=torch.int32)  # noqa: E731
+
+        num_allowed = torch.where(on(0.4), upto(min(K_ALLOWED, vocab)), 0).to(torch.int32)
+        allowed = torch.randint(0, vocab, (max_reqs, K_ALLOWED), generator=g, dtype=torch.int32)
+        num_bias = torch.where(on(0.6), upto(min(K_BIAS, vocab)), 0).to(torch.int32)
+        bias_ids = torch.stack([torch.randperm(vocab, generator=g)[:K_BIAS] for _ in range(max_reqs)])
+        bias_ids = torch.nn.functional.pad(bias_ids, (0, K_BIAS - bias_ids.shape[1])).to(torch.int32)
+        bias = torch.randn(max_reqs, K_BIAS, generator=g) * 5
+        num_stop = torch.where(on(0.6), upto(K_STOP), 0).to(torch.int32)
+        stop = torch.randint(0, vocab, (max_reqs, K_STOP), generator=g, dtype=torch.int32)
+        pos = torch.randint(0, 50, (num_tokens,), generator=g)  # int64, as input_batch.positions
+        min_lens = torch.randint(0, 50, (max_reqs,), generator=g, dtype=torch.int32)
+
+        args = (logits, logits.stride(0), vocab, mapping, num_allowed, allowed, allowed.stride(0), num_bias,
+                bias_ids, bias_ids.stride(0), bias, bias.stride(0), pos, min_lens, num_stop, stop, stop.stride(0))
+        watch = {"logits": logits, "mapping": mapping, "num_allowed": num_allowed, "allowed": allowed,
+                 "num_bias": num_bias, "bias_ids": bias_ids, "bias": bias, "pos": pos, "min_lens": min_lens,
+                 "num_stop": num_stop, "stop": stop}
+        block = triton.next_power_of_2(max(K_ALLOWED, K_BIAS, K_STOP))  # as the launcher
+        return Launch(grid=(num_tokens,), args=args, kwargs={"BLOCK_SIZE": block, "LOGITS_BLOCK_SIZE": logits_block},
+                      watch=watch)
+
+    return make
+
+
+@pytest.mark.parametrize("num_reqs,vocab", SHAPES)
+def test_bias_fp32(num_reqs, vocab):
+    assert differential(vmod._bias_kernel, make_case(num_reqs, vocab, torch.float32), range(6)) == 6
+
+
+def test_bias_fp32_small_logits_block():
+    make = make_case(3, 5003, torch.float32, logits_block=1024)
+    assert differential(vmod._bias_kernel, make, range(3)) == 3
+
+
+@pytest.mark.parametrize("num_reqs,vocab", SHAPES[1:])
+def test_bias_bf16_matches_fp32_reference(num_reqs, vocab):
+    make = make_case(num_reqs, vocab, torch.bfloat16)
+    for seed in range(3):
+        got, ref = make(seed), make(seed)
+        ref.args = (ref.args[0].float(), *ref.args[1:])
+        run_interpreter(vmod._bias_kernel, ref)
+        run_native(vmod._bias_kernel, got)
+        assert_same({"logits": ref.args[0].to(torch.bfloat16)}, {"logits": got.watch["logits"]}, what=f"seed {seed}")
+
+
+def test_dispatch_routes_launcher_to_native():
+    """vLLM's ``apply_logit_bias`` reaches the native code and matches the interpreter."""
+    ref, got = make_case(4, 1000, torch.float32)(11), make_case(4, 1000, torch.float32)(11)
+
+    def call(c: Launch) -> None:
+        logits, _, vocab, m, na, a, _, nb, bi, _, b, _, pos, ml, ns, s, _ = c.args
+        vmod.apply_logit_bias(logits[: m.numel(), :vocab], m, pos, na, a, nb, bi, b, ml, ns, s)
+
+    call(ref)
+    before = dispatch.STATS.native["_bias_kernel"]
+    try:
+        dispatch.install("native")
+        call(got)
+    finally:
+        dispatch.uninstall()
+    assert dispatch.STATS.native["_bias_kernel"] == before + 1
+    assert_same(ref.watch, got.watch, what="apply_logit_bias via launcher")
