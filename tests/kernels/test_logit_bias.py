@@ -1,10 +1,11 @@
 """``_bias_kernel`` (allowed_token_ids, logit_bias, min_tokens): native vs interpreter, bit-exact.
 
 Logit-bias token ids are unique per request, as vLLM builds them from a dict; with duplicates the kernel's
-result would depend on store order (undefined on a GPU). bfloat16 logits: the interpreter cannot build bf16
-constants (the kernel stores -inf), so bf16 is checked against the interpreter's fp32 result on the upcast
-input, cast back: the kernel copies kept values unchanged and rounds a biased value once on store, so that is
-its bf16 result exactly.
+result would depend on store order (undefined on a GPU). bfloat16 logits: the interpreter runs them but
+rounds fp32 -> bf16 by truncation (``_convert_float`` with no rounding mode), while compiled Triton - and
+torch - round to nearest even. The kernel copies kept values unchanged and rounds a biased value once on
+store, so its bf16 result is the interpreter's fp32 result on the upcast input, rounded to nearest: that is the
+reference used, exactly.
 """
 
 from __future__ import annotations

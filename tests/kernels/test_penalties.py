@@ -2,9 +2,10 @@
 
 The native penalties code performs the kernel's float32 operations one by one in the same order
 (``x * (1/scale)`` or ``x * scale``, then ``x - freq * count``, then ``x - pres * seen``), so fp32 results are
-identical. bfloat16 logits: the interpreter cannot build bf16 constants, so it cannot run them; the kernel
-upcasts on load and rounds once on store, so its bf16 result is its fp32 result on the upcast input cast back
-to bf16 - that is the reference used, exactly.
+identical. bfloat16 logits: the interpreter runs them but rounds fp32 -> bf16 by truncation
+(``_convert_float`` with no rounding mode), while compiled Triton - and torch - round to nearest even; the
+kernel upcasts on load and rounds once on store, so its bf16 result is its fp32 result on the upcast input,
+rounded to nearest: that is the reference used, exactly. (Direct bf16 runs differ in the last bit only.)
 """
 
 from __future__ import annotations
