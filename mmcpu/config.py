@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,8 +53,10 @@ class Settings(BaseSettings):
     # --- gateway -------------------------------------------------------------------------------
     host: str = "0.0.0.0"
     port: int = Field(8000, description="gateway port (the one OpenAI base URL)")
-    audio_url: str = Field("http://127.0.0.1:8001", description="audio engine base URL")
-    vision_url: str = Field("http://127.0.0.1:8002", description="vision engine base URL")
+    engines: Annotated[dict[str, str], NoDecode] = Field(
+        "audio=http://127.0.0.1:8001,vision=http://127.0.0.1:8002", validate_default=True,
+        description="the gateway's engines, 'name=url,...'; requests are routed by the models each one lists",
+    )
     api_key: SecretStr | None = Field(
         None, description="if set and not empty, clients must send 'Authorization: Bearer KEY'"
     )
@@ -66,6 +68,30 @@ class Settings(BaseSettings):
     models_ttl_s: float = Field(
         30, ge=0, description="how long the gateway trusts its model → engine table (re-read at once on a miss)"
     )
+    connect_timeout_s: float = Field(
+        1, gt=0, description="timeout of connecting to an engine: bounds how long a request for a down engine waits"
+    )
+    drain_s: float = Field(
+        120, ge=0, description="on SIGTERM the gateway refuses new requests and lets in-flight ones run this long"
+    )
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _parse_engines(cls, value: object) -> object:
+        # 'name=url,...' keeps MMCPU_ENGINES one readable line in compose and Kubernetes (not JSON).
+        if not isinstance(value, str):
+            return value
+        engines: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in value.split(","))):
+            name, sep, url = (x.strip() for x in item.partition("="))
+            if not sep or not name or not url.startswith(("http://", "https://")):
+                raise ValueError(f"expected 'name=http://host:port', got {item!r}")
+            if name in engines:
+                raise ValueError(f"engine {name!r} is listed twice")
+            engines[name] = url.rstrip("/")
+        if not engines:
+            raise ValueError("no engine given")
+        return engines
 
 
 @lru_cache

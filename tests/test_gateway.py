@@ -9,8 +9,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import contextlib
 import json
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -27,7 +33,7 @@ from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
 from mmcpu.payloads import image_chat_kwargs, transcription_kwargs
 from mmcpu.payloads import test_image as make_image
-from mmcpu.servers import ServedApp
+from mmcpu.servers import ServedApp, free_port, wait_until_ok
 
 AUDIO_MODEL = "whisper-test"
 VISION_MODEL = "llava-test"
@@ -91,6 +97,9 @@ class StandInEngine:
             })
             if form["model"] not in self.models:
                 return self._not_found(str(form["model"]))
+            if form.get("response_format") == "bogus":
+                return JSONResponse({"error": {"message": "unknown response_format", "type": "BadRequestError",
+                                               "param": "response_format", "code": 400}}, status_code=400)
             text = f"{self.name} heard {len(data)} bytes of {upload.filename}"
             if form.get("response_format") == "text":
                 return PlainTextResponse(text)
@@ -164,7 +173,7 @@ def engines() -> Iterator[tuple[StandInEngine, StandInEngine]]:
 
 
 def _settings(audio: StandInEngine, vision: StandInEngine, **overrides: Any) -> Settings:
-    values: dict[str, Any] = {"audio_url": audio.url, "vision_url": vision.url, "max_upload_mb": LIMIT_MB,
+    values: dict[str, Any] = {"engines": f"audio={audio.url},vision={vision.url}", "max_upload_mb": LIMIT_MB,
                               "request_timeout_s": 10, "health_timeout_s": 2, "api_key": None} | overrides
     return Settings(**values)
 
@@ -199,6 +208,25 @@ def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 
 
 SPEECH = bytes(range(256)) * 200  # 51 200 arbitrary bytes: the gateway must not look inside
+BOUNDARY = "mmcpu-boundary"
+MULTIPART = {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}
+
+
+def multipart(*parts: tuple[str, bytes | str, str | None]) -> bytes:
+    """A multipart/form-data body of (name, value, filename) parts, in the given order."""
+    out = b""
+    for name, value, filename in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        kind = "Content-Type: audio/wav\r\n" if filename else ""
+        data = value.encode() if isinstance(value, str) else value
+        out += f"--{BOUNDARY}\r\nContent-Disposition: {disposition}\r\n{kind}\r\n".encode() + data + b"\r\n"
+    return out + f"--{BOUNDARY}--\r\n".encode()
+
+
+def chunked(body: bytes, size: int = 4096) -> Iterator[bytes]:
+    """No Content-Length: the body arrives chunked."""
+    for i in range(0, len(body), size):
+        yield body[i:i + size]
 
 
 # --- happy paths with the real openai client ---------------------------------------------------------------
@@ -230,19 +258,8 @@ def test_transcription_text_format_and_translation(gateway: ServedApp, engines) 
 
 def test_chunked_multipart_reaches_engine_unchanged(gateway: ServedApp, engines) -> None:
     audio, _ = engines
-    boundary = "mmcpu-boundary"
-    body = (
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n{AUDIO_MODEL}\r\n"
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
-        f"Content-Type: audio/wav\r\n\r\n"
-    ).encode() + SPEECH + f"\r\n--{boundary}--\r\n".encode()
-
-    def chunks() -> Iterator[bytes]:  # no Content-Length: the upload arrives chunked
-        for i in range(0, len(body), 4096):
-            yield body[i:i + 4096]
-
-    r = httpx.post(f"{gateway.url}/v1/audio/transcriptions", content=chunks(),
-                   headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+    body = multipart(("model", AUDIO_MODEL, None), ("file", SPEECH, "a.wav"))
+    r = httpx.post(f"{gateway.url}/v1/audio/transcriptions", content=chunked(body), headers=MULTIPART)
     assert r.status_code == 200, r.text
     seen = audio.requests[-1]
     assert seen["raw"] == body  # not parsed, not re-encoded
@@ -262,6 +279,62 @@ def test_image_chat_routed_to_vision(gateway: ServedApp, engines) -> None:
 def test_shared_model_goes_to_first_engine(gateway: ServedApp) -> None:
     reply = client_for(gateway).chat.completions.create(**image_chat_kwargs([make_image(3)], model=SHARED_MODEL))
     assert reply.choices[0].message.content == "audio saw 1 images"
+
+
+def test_engines_setting() -> None:
+    settings = Settings(engines=" a=http://x:1/ , b=https://y:2,")
+    assert settings.engines == {"a": "http://x:1", "b": "https://y:2"}
+    assert Settings().engines == {"audio": "http://127.0.0.1:8001", "vision": "http://127.0.0.1:8002"}
+    for bad in ("", "a", "a=", "=http://x", "a=ftp://x", "a=http://x,a=http://y"):
+        with pytest.raises(ValueError, match="engines"):
+            Settings(engines=bad)
+
+
+def test_audio_routed_by_model_to_either_of_two_audio_engines() -> None:
+    first, second = StandInEngine("first", ["whisper-a"]), StandInEngine("second", ["whisper-b"])
+    served = ServedApp(create_app(Settings(engines=f"first={first.url},second={second.url}", api_key=None)))
+    client = client_for(served)
+    try:
+        assert client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model="whisper-b")).text.startswith(
+            "second heard")
+        assert client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model="whisper-a")).text.startswith(
+            "first heard")
+        assert [len(first.requests), len(second.requests)] == [1, 1]
+        # the model field after the file (the gateway reads up to it, then sends all bytes on), chunked
+        body = multipart(("file", SPEECH, "a.wav"), ("model", "whisper-b", None), ("language", "en", None))
+        r = httpx.post(f"{served.url}/v1/audio/translations", content=chunked(body), headers=MULTIPART)
+        assert r.status_code == 200 and r.json()["text"].startswith("second heard"), r.text
+        assert second.requests[-1]["raw"] == body and second.requests[-1]["form"]["language"] == "en"
+        assert len(first.requests) == 1
+    finally:
+        served.stop()
+        first.served.stop()
+        second.served.stop()
+
+
+def test_bad_model_in_upload_400(gateway: ServedApp, engines) -> None:
+    audio, vision = engines
+    seen = len(audio.requests), len(vision.requests)
+    url = f"{gateway.url}/v1/audio/transcriptions"
+    cases = {
+        "missing": (multipart(("file", SPEECH, "a.wav")), MULTIPART),
+        "empty": (multipart(("model", "", None), ("file", SPEECH, "a.wav")), MULTIPART),
+        "a file": (multipart(("model", AUDIO_MODEL, "model.txt"), ("file", SPEECH, "a.wav")), MULTIPART),
+        "not UTF-8": (multipart(("model", b"\xff\xfe", None), ("file", SPEECH, "a.wav")), MULTIPART),
+        "no boundary": (b"whatever", {"content-type": "multipart/form-data"}),
+        "malformed": (b"\0" * 100, MULTIPART),
+    }
+    for case, (body, headers) in cases.items():
+        r = httpx.post(url, content=body, headers=headers)
+        assert_openai_error(r, 400, None, "invalid_request_error")
+        if case not in ("no boundary", "malformed"):
+            assert r.json()["error"]["param"] == "model", case
+    r = httpx.post(url, files={"file": ("a.wav", SPEECH)}, data={"model": "whisper-nope"})
+    assert "whisper-nope" in assert_openai_error(r, 404, "model_not_found")["message"]
+    for model in (7, ["a"], None, ""):
+        r = httpx.post(f"{gateway.url}/v1/chat/completions", json=image_chat_kwargs([], model=model))
+        assert assert_openai_error(r, 400, None)["param"] == "model"
+    assert (len(audio.requests), len(vision.requests)) == seen  # no engine saw any of these
 
 
 def test_streaming_chunks_arrive_before_upstream_finishes(gateway: ServedApp, engines) -> None:
@@ -343,10 +416,10 @@ def test_engine_errors_pass_through(gateway: ServedApp, engines) -> None:
     r = httpx.post(f"{gateway.url}/v1/chat/completions",
                    json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="crash now"))
     assert r.status_code == 500 and r.json()["error"]["message"] == "EngineCore died"
-    # the audio engine decides about its own models; its 404 comes back as it was
-    with pytest.raises(openai.NotFoundError) as caught:
-        client_for(gateway).audio.transcriptions.create(**transcription_kwargs(SPEECH, model="whisper-nope"))
-    assert caught.value.status_code == 404 and "whisper-nope" in caught.value.message
+    # an engine's own 4xx on audio comes back as it was too
+    r = httpx.post(f"{gateway.url}/v1/audio/transcriptions", files={"file": ("a.wav", SPEECH)},
+                   data={"model": AUDIO_MODEL, "response_format": "bogus"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "unknown response_format"
 
 
 def test_body_limit_413(gateway: ServedApp, engines) -> None:
@@ -359,10 +432,15 @@ def test_body_limit_413(gateway: ServedApp, engines) -> None:
     assert caught.value.status_code == 413
     r = httpx.post(f"{gateway.url}/v1/chat/completions", content=big, headers={"content-type": "application/json"})
     assert_openai_error(r, 413, "request_too_large")
-    # chunked, so only counting while the body streams in can catch it
-    for path in ("/v1/audio/transcriptions", "/v1/chat/completions"):
-        r = httpx.post(f"{gateway.url}{path}", content=iter([big[:LIMIT // 2]] * 3),
-                       headers={"content-type": "multipart/form-data; boundary=x"})
+    # chunked, so only counting while the body streams in can catch it: while the gateway reads a chat body or
+    # looks for an upload's model field (here after the file), and while it streams an upload to the engine
+    chunked_bodies = [
+        ("/v1/chat/completions", big, {"content-type": "application/json"}),
+        ("/v1/audio/transcriptions", multipart(("file", big, "a.wav"), ("model", AUDIO_MODEL, None)), MULTIPART),
+        ("/v1/audio/translations", multipart(("model", AUDIO_MODEL, None), ("file", big, "a.wav")), MULTIPART),
+    ]
+    for path, body, headers in chunked_bodies:
+        r = httpx.post(f"{gateway.url}{path}", content=chunked(body, LIMIT // 2), headers=headers)
         assert_openai_error(r, 413, "request_too_large")
     assert (len(audio.requests), len(vision.requests)) == seen
     # the gateway still serves afterwards
@@ -427,7 +505,22 @@ def test_health_ok(gateway: ServedApp) -> None:
     assert r.json()["down"] == [] and r.json()["engines"]["vision"]["up"] is True
 
 
-def test_engine_down_only_its_routes_503() -> None:
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until ``predicate()`` holds; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def timed(method: str, url: str, **kwargs: Any) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    r = httpx.request(method, url, timeout=10, **kwargs)
+    return r, time.monotonic() - start
+
+
+def test_engine_down_503_others_serve_then_recovers() -> None:
     audio, vision = _engines()
     served = ServedApp(create_app(_settings(audio, vision)))
     client = client_for(served)
@@ -436,32 +529,87 @@ def test_engine_down_only_its_routes_503() -> None:
         assert client.chat.completions.create(**chat).choices[0].message.content  # table learned while up
         vision.served.stop()
 
-        r = httpx.post(f"{served.url}/v1/chat/completions", json=chat)
+        r, first_s = timed("POST", f"{served.url}/v1/chat/completions", json=chat)
         error = assert_openai_error(r, 503, "engine_unavailable", "server_error")
         assert "vision" in error["message"]
-        # a model never seen might live on the engine that is down: 503, not a misleading 404
-        r = httpx.post(f"{served.url}/v1/chat/completions", json=image_chat_kwargs([], model="unseen"))
+        listings = vision.model_listings
+        # now known down: its models answer 503 from the last list it gave (not 404), without waiting on it
+        r, cached_s = timed("POST", f"{served.url}/v1/chat/completions", json=chat)
         assert_openai_error(r, 503, "engine_unavailable")
-        # the other modality keeps serving
+        assert first_s < 1 and cached_s < 0.5, (first_s, cached_s)
+        # a model never seen might live on the engine that is down: 503, not a misleading 404
+        r, unseen_s = timed("POST", f"{served.url}/v1/chat/completions", json=image_chat_kwargs([], model="unseen"))
+        assert_openai_error(r, 503, "engine_unavailable")
+        assert unseen_s < 0.5
+        # the other engine keeps serving, and the gateway is ready while one engine is
         assert client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model=AUDIO_MODEL)).text
         assert [m.id for m in client.models.list()] == [AUDIO_MODEL, SHARED_MODEL]
         r = httpx.get(f"{served.url}/health")
-        assert r.status_code == 503 and r.json()["down"] == ["vision"]
-        assert httpx.get(f"{served.url}/ping").status_code == 200  # the gateway itself is alive
-        assert r.json()["engines"]["audio"]["up"] is True and r.json()["engines"]["vision"]["error"]
+        assert r.status_code == 200 and r.json()["status"] == "degraded" and r.json()["down"] == ["vision"]
+        state = r.json()["engines"]
+        assert state["audio"]["up"] is True and "error" not in state["audio"]
+        assert state["vision"]["up"] is False and state["vision"]["error"]
+        assert state["vision"]["models"] == [VISION_MODEL, SHARED_MODEL]  # the last known list
         samples = metric_samples(httpx.get(f"{served.url}/metrics").text)
         assert samples[("mmcpu_gateway_engine_up", (("engine", "vision"),))] == 0
         assert samples[("mmcpu_gateway_engine_up", (("engine", "audio"),))] == 1
         assert samples[("mmcpu_gateway_upstream_errors_total", (("engine", "vision"), ("kind", "connect")))] >= 1
 
-        vision.served.start()  # same port: the gateway recovers without a restart
+        # back on the same port, with one more model: the gateway notices by itself (no request, no restart)
+        # and learns the new list
+        vision.models.append("late-model")
+        vision.served.start()
+        back_s = wait_for(lambda: vision.model_listings > listings, 3, "background re-probe")
+        print(f"\n[down engine: first 503 in {first_s * 1000:.0f} ms, then {cached_s * 1000:.0f} ms; "
+              f"re-listed {back_s:.2f} s after it came back]")
         assert client.chat.completions.create(**chat).choices[0].message.content == "vision saw 2 images"
-        assert httpx.get(f"{served.url}/health").status_code == 200
+        late = image_chat_kwargs([make_image(1)], model="late-model")
+        assert client.chat.completions.create(**late).choices[0].message.content == "vision saw 1 images"
+        assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
     finally:
         served.stop()
         audio.served.stop()
         if vision.served.thread.is_alive():
             vision.served.stop()
+
+
+def test_unreachable_engine_503_within_connect_timeout() -> None:
+    """An engine whose port stops completing connections (full accept queue: SYNs are dropped, as for a frozen
+    host) costs one request the connect timeout (1 s default); the next ones are answered at once."""
+    audio, vision = _engines()
+    served = ServedApp(create_app(_settings(audio, vision, connect_timeout_s=1)))
+    client = client_for(served)
+    chat = image_chat_kwargs([make_image(1)], model=VISION_MODEL)
+    jammed: list[socket.socket] = []
+    try:
+        assert client.chat.completions.create(**chat).choices[0].message.content
+        vision.served.stop()
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", vision.served.port))
+        listener.listen(0)  # never accepted: once the queue is full, new connections hang
+        jammed.append(listener)
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", vision.served.port))
+            jammed.append(filler)
+
+        r, first_s = timed("POST", f"{served.url}/v1/chat/completions", json=chat)
+        assert_openai_error(r, 503, "engine_unavailable")
+        r, cached_s = timed("POST", f"{served.url}/v1/chat/completions", json=chat)
+        assert_openai_error(r, 503, "engine_unavailable")
+        print(f"\n[unreachable engine: first 503 in {first_s * 1000:.0f} ms, then {cached_s * 1000:.0f} ms]")
+        assert 0.9 < first_s < 1.5 and cached_s < 0.2, (first_s, cached_s)
+        assert client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model=AUDIO_MODEL)).text
+        r, health_s = timed("GET", f"{served.url}/health")
+        assert r.status_code == 200 and r.json()["down"] == ["vision"] and health_s < 1.5
+    finally:
+        for sock in jammed:
+            sock.close()
+        served.stop()
+        audio.served.stop()
 
 
 def test_all_engines_down() -> None:
@@ -474,8 +622,10 @@ def test_all_engines_down() -> None:
         r = httpx.post(f"{served.url}/v1/audio/transcriptions", files={"file": ("a.wav", SPEECH)},
                        data={"model": AUDIO_MODEL})
         assert_openai_error(r, 503, "engine_unavailable")
-        assert httpx.get(f"{served.url}/health").json()["down"] == ["audio", "vision"]
-        assert httpx.get(f"{served.url}/ping").json() == {"status": "ok"}
+        r = httpx.get(f"{served.url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        assert r.json()["down"] == ["audio", "vision"]
+        assert httpx.get(f"{served.url}/ping").json() == {"status": "ok"}  # liveness: the gateway itself
     finally:
         served.stop()
 
@@ -507,3 +657,85 @@ def test_one_log_line_per_request(gateway: ServedApp, caplog: pytest.LogCaptureF
         time.sleep(0.01)
     assert len(lines) == 1, lines
     assert " POST /v1/chat/completions 200 " in lines[0] and "engine=vision" in lines[0]
+
+
+# --- graceful stop of a real gateway process ------------------------------------------------------------------
+def _gateway_process(engine: StandInEngine, drain_s: float, log_path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_PORT=str(port), MMCPU_ENGINES=f"vision={engine.url}",
+               MMCPU_DRAIN_S=str(drain_s), MMCPU_API_KEY="")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_ok(f"{url}/ping", proc, 30, "gateway", log_path)
+    return proc, url
+
+
+def _sigterm_during_stream(drain_s: float, tmp_path, release: bool) -> tuple[dict[str, Any], float, int, str]:
+    """Hold an SSE chat stream open in the stand-in engine, SIGTERM the gateway while it runs, check that new
+    connections are refused meanwhile, then (if ``release``) let the engine finish the stream.
+    Returns (what the client got, seconds from SIGTERM to exit, exit code, gateway log)."""
+    engine = StandInEngine("vision", [VISION_MODEL])
+    log_path = tmp_path / "gateway.log"
+    proc, url = _gateway_process(engine, drain_s, log_path)
+    outcome: dict[str, Any] = {"chunks": []}
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        body = image_chat_kwargs([make_image(1)], model=VISION_MODEL, stream=True)
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+                outcome["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        outcome["chunks"].append(json.loads(line[6:])["choices"][0]["delta"]["content"])
+                        first_chunk.set()
+                    elif line == "data: [DONE]":
+                        outcome["done"] = True
+        except httpx.HTTPError as exc:
+            outcome["error"] = exc
+
+    def refused() -> bool:
+        try:
+            httpx.get(f"{url}/ping", timeout=1)
+        except httpx.ConnectError:
+            return True
+        return False
+
+    try:
+        worker = threading.Thread(target=stream)
+        worker.start()
+        assert first_chunk.wait(10), outcome
+        sigterm = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        wait_for(refused, 4, "new connections refused")
+        outcome["in_flight_when_refused"] = worker.is_alive() and not engine.stream_finished.is_set()
+        if release:
+            engine.release.set()
+        worker.join(30)
+        code = proc.wait(30)
+        return outcome, time.monotonic() - sigterm, code, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        engine.release.set()
+        engine.served.stop()
+
+
+def test_sigterm_drains_in_flight_and_refuses_new(tmp_path) -> None:
+    outcome, exit_s, code, log = _sigterm_during_stream(10, tmp_path, release=True)
+    assert outcome["in_flight_when_refused"], "the stream ended before new connections were refused"
+    assert outcome["status"] == 200 and outcome.get("done") and "error" not in outcome, (outcome, log)
+    assert "".join(outcome["chunks"]) == "vision saw 1 images"
+    # it leaves once the last request is done; uvicorn re-raises the SIGTERM after its orderly shutdown
+    assert code == -signal.SIGTERM and "Application shutdown complete" in log, (code, log)
+    assert exit_s < 10, exit_s
+
+
+def test_drain_time_bounds_the_wait(tmp_path) -> None:
+    # The other side of MMCPU_DRAIN_S: a stream that outlasts the drain time is cut off when it runs out.
+    outcome, exit_s, code, log = _sigterm_during_stream(1, tmp_path, release=False)
+    assert outcome["in_flight_when_refused"]
+    assert "error" in outcome and not outcome.get("done"), outcome  # broken off mid-stream
+    assert exit_s < 4, (exit_s, log)  # the engine would have held the stream for 5 s

@@ -1,12 +1,13 @@
-"""The engines behind the gateway: which engine serves which model, health probes, and the streaming proxy."""
+"""The engines behind the gateway: which engine serves which model, engine up/down state, and the streaming proxy."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -26,11 +27,24 @@ _DROP_RESPONSE_HEADERS = {
     "transfer-encoding", "upgrade", "date", "server",
 }
 
+# How often an engine that is down is probed again in the background: routing to it resumes within this time of
+# its coming back, and no request has to wait for the probe.
+RECHECK_S = 1.0
 
-@dataclass(frozen=True)
+
+@dataclass(eq=False)
 class Engine:
     name: str
     url: str
+    up: bool | None = None  # None: not heard from yet
+    error: str | None = None  # why it is down
+    # Last model list it returned, kept while it is down: a request for one of its models is then answered
+    # 503 (engine down), not 404 (unknown model).
+    models: list[dict[str, Any]] = field(default_factory=list)
+    listed_at: float = float("-inf")
+
+    def serves(self, model: str) -> bool:
+        return any(m.get("id") == model for m in self.models)
 
 
 def _reason(exc: BaseException) -> str:
@@ -38,93 +52,103 @@ def _reason(exc: BaseException) -> str:
 
 
 class Upstreams:
-    """One per app: the shared httpx client, the engines and the model → engine table."""
+    """One per app: the shared httpx client, the engines (in MMCPU_ENGINES order) and their model lists."""
 
     def __init__(self, settings: Settings, client: httpx.AsyncClient, metrics: Metrics) -> None:
         self.client = client
         self.metrics = metrics
-        self.health_timeout = settings.health_timeout_s
+        self.probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.connect_timeout_s)
         self.models_ttl = settings.models_ttl_s
-        self.engines = {
-            "audio": Engine("audio", settings.audio_url.rstrip("/")),
-            "vision": Engine("vision", settings.vision_url.rstrip("/")),
-        }
-        # Last model list each engine returned. Kept when a later listing fails, so that a request for the
-        # model of an engine that went down is answered 503 (engine down), not 404 (unknown model).
-        self._listed: dict[str, list[dict[str, Any]]] = {}
-        self._listed_at = float("-inf")
+        self.engines = {name: Engine(name, url) for name, url in settings.engines.items()}
 
-    # --- health -------------------------------------------------------------------------------------
-    def _mark(self, engine: Engine, up: bool) -> None:
+    # --- state --------------------------------------------------------------------------------------
+    def _mark(self, engine: Engine, up: bool, error: str | None = None) -> None:
+        if engine.up is not False and not up:
+            log.warning("engine %s is down: %s", engine.name, error)
+        elif engine.up is False and up:
+            log.info("engine %s is up again", engine.name)
+        engine.up, engine.error = up, None if up else error
         self.metrics.engine_up.labels(engine.name).set(1 if up else 0)
 
-    async def probe(self, engine: Engine) -> str | None:
-        """None when the engine's /health answers 200, else why not."""
+    async def probe(self, engine: Engine) -> None:
+        """Ask the engine's /health; one that (re)turns healthy also lists its models again."""
+        was_up = engine.up
         try:
-            r = await self.client.get(f"{engine.url}/health", timeout=self.health_timeout)
+            r = await self.client.get(f"{engine.url}/health", timeout=self.probe_timeout)
         except httpx.HTTPError as exc:
-            reason = _reason(exc)
+            self._mark(engine, False, _reason(exc))
+            return
+        if r.status_code != 200:
+            self._mark(engine, False, f"/health answered {r.status_code}")
+        elif was_up is not True:
+            await self.list_models(engine)  # marks it
         else:
-            reason = None if r.status_code == 200 else f"/health answered {r.status_code}"
-        self._mark(engine, reason is None)
-        return reason
+            self._mark(engine, True)
 
-    async def probe_all(self) -> dict[str, str | None]:
-        reasons = await asyncio.gather(*(self.probe(e) for e in self.engines.values()))
-        return dict(zip(self.engines, reasons, strict=True))
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(e) for e in self.engines.values()))
+
+    async def watch(self) -> None:
+        """Background task of the app: re-probe the engines that are down until they come back."""
+        while True:
+            await asyncio.sleep(RECHECK_S)
+            down = [e for e in self.engines.values() if e.up is False]
+            with contextlib.suppress(Exception):  # a failed probe marks its engine; the loop must live on
+                await asyncio.gather(*(self.probe(e) for e in down))
 
     # --- models -------------------------------------------------------------------------------------
-    async def _list(self, engine: Engine) -> list[dict[str, Any]]:
-        r = await self.client.get(f"{engine.url}/v1/models", timeout=self.health_timeout)
-        r.raise_for_status()
-        data = r.json()["data"]
-        if not isinstance(data, list):
-            raise ValueError("/v1/models 'data' is not a list")
-        return data
+    async def list_models(self, engine: Engine) -> None:
+        try:
+            r = await self.client.get(f"{engine.url}/v1/models", timeout=self.probe_timeout)
+            r.raise_for_status()
+            data = r.json()["data"]
+            if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+                raise ValueError("/v1/models 'data' is not a list of models")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            self._mark(engine, False, _reason(exc))
+            return
+        engine.models, engine.listed_at = data, time.monotonic()
+        self._mark(engine, True)
 
-    async def refresh(self) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """Ask every engine for its models. Returns (models of the engines that answered, {down engine: why})."""
-        results = await asyncio.gather(*(self._list(e) for e in self.engines.values()), return_exceptions=True)
+    async def refresh(self) -> None:
+        """Re-read the lists of the engines not known to be down (watch() brings those back): no caller waits
+        on an engine that does not answer."""
+        await asyncio.gather(*(self.list_models(e) for e in self.engines.values() if e.up is not False))
+
+    def models(self) -> list[dict[str, Any]]:
+        """The models of the engines that are up; the first engine wins on a duplicate id."""
         merged: dict[str, dict[str, Any]] = {}
-        down: dict[str, str] = {}
-        for engine, result in zip(self.engines.values(), results, strict=True):
-            if isinstance(result, BaseException):
-                down[engine.name] = _reason(result)
-                self._mark(engine, False)
-                continue
-            self._mark(engine, True)
-            self._listed[engine.name] = result
-            for model in result:
-                merged.setdefault(model["id"], model)  # the first engine wins on a duplicate id
-        self._listed_at = time.monotonic()
-        return list(merged.values()), down
+        for engine in self.engines.values():
+            if engine.up:
+                for model in engine.models:
+                    merged.setdefault(model["id"], model)
+        return list(merged.values())
+
+    def down(self) -> dict[str, str]:
+        return {e.name: e.error or "not reached yet" for e in self.engines.values() if not e.up}
 
     def _lookup(self, model: str) -> Engine | None:
-        for name, models in self._listed.items():
-            if any(m.get("id") == model for m in models):
-                return self.engines[name]
-        return None
+        # The first engine that is up and lists it; else the first that listed it last (down: answered 503).
+        listing = [e for e in self.engines.values() if e.serves(model)]
+        return next((e for e in listing if e.up), listing[0] if listing else None)
 
     async def engine_for_model(self, model: str) -> Engine:
-        """The engine serving ``model``; the table is cached for models_ttl_s and re-read on a miss."""
+        """The engine serving ``model``. Its list is trusted for models_ttl_s; a miss re-reads every list at once."""
         engine = self._lookup(model)
-        if engine is not None and time.monotonic() - self._listed_at < self.models_ttl:
-            return engine
-        _, down = await self.refresh()
-        engine = self._lookup(model)
+        if engine is None or (engine.up and time.monotonic() - engine.listed_at >= self.models_ttl):
+            await self.refresh()
+            engine = self._lookup(model)
         if engine is not None:
-            if engine.name in down:
-                raise engine_unavailable(engine.name, down[engine.name])
+            if not engine.up:  # known from its last list: answered at once, no connect attempt
+                raise engine_unavailable(engine.name, engine.error or "down")
             return engine
-        if down:
+        if down := self.down():
             which = "; ".join(f"{name} ({why})" for name, why in down.items())
             raise OpenAIError(
                 503, f"The model '{model}' is not served by any engine that is up; unavailable: {which}",
                 type="server_error", param="model", code="engine_unavailable",
             )
-        raise OpenAIError(
-            404, f"The model '{model}' does not exist.", param="model", code="model_not_found",
-        )
+        raise OpenAIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
 
     # --- proxy --------------------------------------------------------------------------------------
     async def forward(
@@ -154,7 +178,7 @@ class Upstreams:
             raise
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self._upstream_error(engine, "connect", exc)
-            self._mark(engine, False)
+            self._mark(engine, False, _reason(exc))
             raise engine_unavailable(engine.name, _reason(exc)) from exc
         except httpx.TimeoutException as exc:
             self._upstream_error(engine, "timeout", exc)

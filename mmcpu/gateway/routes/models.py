@@ -13,11 +13,12 @@ router = APIRouter(tags=["models"])
 
 
 async def _merged(upstreams: UpstreamsDep) -> list[dict[str, Any]]:
-    models, down = await upstreams.refresh()
-    if down and len(down) == len(upstreams.engines):
+    await upstreams.refresh()
+    down = upstreams.down()
+    if len(down) == len(upstreams.engines):
         which = "; ".join(f"{name} ({why})" for name, why in down.items())
         raise OpenAIError(503, f"No engine is available: {which}", type="server_error", code="engine_unavailable")
-    return models
+    return upstreams.models()
 
 
 @router.get("/v1/models")

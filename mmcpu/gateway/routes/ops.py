@@ -1,5 +1,4 @@
-"""Operations routes, open without the API key: /health (all engines up?), /ping (this process answers) and
-/metrics (Prometheus)."""
+"""Operations routes, open without the API key: /ping (liveness), /health (readiness, per engine) and /metrics."""
 
 from __future__ import annotations
 
@@ -14,14 +13,18 @@ router = APIRouter(tags=["ops"])
 
 @router.get("/health")
 async def health(upstreams: UpstreamsDep) -> JSONResponse:
-    reasons = await upstreams.probe_all()
+    # Ready while at least one engine is: the gateway serves the engines that are up and answers 503 for the others'
+    # models, so one engine down must not take the whole base URL out of a load balancer.
+    await upstreams.probe_all()
     engines = {
-        name: {"url": upstreams.engines[name].url, "up": why is None, **({"error": why} if why else {})}
-        for name, why in reasons.items()
+        e.name: {"url": e.url, "up": bool(e.up), "models": [m.get("id") for m in e.models],
+                 **({} if e.up else {"error": e.error})}
+        for e in upstreams.engines.values()
     }
-    down = [name for name, why in reasons.items() if why is not None]
-    body = {"status": "ok" if not down else "unavailable", "down": down, "engines": engines}
-    return JSONResponse(body, status_code=200 if not down else 503)
+    down = list(upstreams.down())
+    status = "ok" if not down else "degraded" if len(down) < len(engines) else "unavailable"
+    return JSONResponse({"status": status, "down": down, "engines": engines},
+                        status_code=503 if status == "unavailable" else 200)
 
 
 @router.get("/ping")
