@@ -1,0 +1,23 @@
+"""Native ``vllm/v1/worker/gpu/model_states/mamba_hybrid.py``: per-step bookkeeping of hybrid (mamba) models."""
+
+from __future__ import annotations
+
+import torch
+
+from mmcpu.kernels.dispatch import native
+
+
+@native("vllm.v1.worker.gpu.model_states.mamba_hybrid", "_scatter_num_accepted_kernel",
+        sha256="3bfefe75dd1765df2ea8fc025a221c713ac4d1809de1a4e3f22289432ff5b69d")
+def _scatter_num_accepted_kernel(grid, idx_mapping_ptr, num_sampled_ptr, num_accepted_ptr):
+    # One program per batch row: num_accepted[idx_mapping[row]] = max(num_sampled[row], 1); -1 rows (filtered under
+    # pipeline parallelism) are skipped.
+    rows = grid[0]
+    if rows <= 0:
+        return
+    req = idx_mapping_ptr[:rows]
+    keep = (req >= 0).nonzero().flatten()
+    if keep.numel() == 0:
+        return
+    value = num_sampled_ptr[:rows][keep].clamp_min(1)
+    num_accepted_ptr[req[keep].long()] = value.to(num_accepted_ptr.dtype)
