@@ -36,6 +36,7 @@ NATIVE_MODULES = (
     "mmcpu.kernels.cp_utils",
     "mmcpu.kernels.metrics.logits",
     "mmcpu.kernels.mm.rope",
+    "mmcpu.kernels.model_states.mamba_hybrid",
     "mmcpu.kernels.sample.gumbel",
     "mmcpu.kernels.sample.min_p",
     "mmcpu.kernels.sample.penalties",
