@@ -55,6 +55,7 @@ class Engine:
     port: int = field(default_factory=free_port)
     pythonpath: Path | None = None  # put a vLLM copy (e.g. the unpatched overlay) in front of site-packages
     vllm_args: list[str] = field(default_factory=list)
+    served_model_name: str | None = None  # default: the model folder's name (mmcpu-serve's default too)
     proc: subprocess.Popen | None = None
     ready_s: float | None = None
 
@@ -64,7 +65,7 @@ class Engine:
 
     @property
     def name(self) -> str:
-        return self.model.name
+        return self.served_model_name or self.model.name
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -75,6 +76,8 @@ class Engine:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.pythonpath), env.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "mmcpu.launch", "--model", str(self.model), "--port", str(self.port)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
         if self.vllm_args:
             cmd += ["--", *self.vllm_args]
         t0 = time.monotonic()

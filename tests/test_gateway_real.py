@@ -5,20 +5,22 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mmcpu import speech
 from mmcpu.checks import expect_client_error, subtitle_text
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.servers import ServedApp
+from mmcpu.servers import Engine, ServedApp
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def gateway(whisper_engine, llava_engine):
-    served = ServedApp(create_app(Settings(audio_url=whisper_engine.base_url, vision_url=llava_engine.base_url)))
+    engines = f"audio={whisper_engine.base_url},vision={llava_engine.base_url}"
+    served = ServedApp(create_app(Settings(engines=engines)))
     yield served
     served.stop()
 
@@ -64,3 +66,33 @@ def test_engine_errors_pass_through(client, whisper_engine, llava_engine):
     )
     assert error["code"] == "model_not_found"
     assert whisper_engine.alive() and llava_engine.alive()
+
+
+def finished_requests(engine: Engine) -> float:
+    """Requests the vLLM engine itself counted as finished (its own /metrics)."""
+    text = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "vllm:request_success"
+               for s in f.samples if s.name == "vllm:request_success_total")
+
+
+def test_two_audio_engines_routed_by_model(whisper_engine, clips, logs_dir):
+    """Two Whisper engines (same weights, other served name) behind one URL: each model reaches its own engine."""
+    second = Engine(model=whisper_engine.model, served_model_name=f"{whisper_engine.name}-second",
+                    log_path=logs_dir / f"{whisper_engine.name}-second.log")
+    second.start()
+    served = ServedApp(create_app(Settings(engines=f"first={whisper_engine.base_url},second={second.base_url}")))
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        assert {m.id for m in client.models.list()} == {whisper_engine.name, second.name}
+        engines = (whisper_engine, second)
+        before = [finished_requests(e) for e in engines]
+        sent = {whisper_engine.name: 1, second.name: 2}
+        for model, count in sent.items():
+            for path, text in clips[:count]:
+                result = client.audio.transcriptions.create(**transcription_kwargs(path, model=model))
+                assert speech.word_error_rate([text], [result.text]) < 0.35, (model, result.text)
+        after = [finished_requests(e) for e in engines]
+        assert [b - a for a, b in zip(before, after, strict=True)] == [sent[e.name] for e in engines]
+    finally:
+        served.stop()
+        second.stop()
