@@ -13,8 +13,11 @@ class CheckFailed(AssertionError):
     pass
 
 
-def openai_error_body(response_json: Any) -> dict[str, Any]:
-    """Return the ``error`` object of an OpenAI-style error body, or raise :class:`CheckFailed`."""
+def openai_error_body(response_json: Any, *, strict: bool = False) -> dict[str, Any]:
+    """Return the ``error`` object of an OpenAI-style error body, or raise :class:`CheckFailed`.
+
+    ``strict``: OpenAI's full schema, ``{"error": {"message", "type", "param", "code"}}`` (param and code may
+    be null but must be there; code a string, an int or null)."""
     if not isinstance(response_json, dict) or not isinstance(response_json.get("error"), dict):
         raise CheckFailed(f"not an OpenAI error body: {response_json!r}")
     error = response_json["error"]
@@ -22,6 +25,14 @@ def openai_error_body(response_json: Any) -> dict[str, Any]:
         raise CheckFailed(f"OpenAI error without a message: {response_json!r}")
     if not isinstance(error.get("type"), str):
         raise CheckFailed(f"OpenAI error without a type: {response_json!r}")
+    if strict:
+        missing = [key for key in ("param", "code") if key not in error]
+        if missing:
+            raise CheckFailed(f"OpenAI error without {missing}: {response_json!r}")
+        if error["param"] is not None and not isinstance(error["param"], str):
+            raise CheckFailed(f"OpenAI error param is not a string: {response_json!r}")
+        if error["code"] is not None and not isinstance(error["code"], (str, int)):
+            raise CheckFailed(f"OpenAI error code is not a string or int: {response_json!r}")
     return error
 
 

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import struct
+import uuid
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import soundfile
 from PIL import Image
 
 DEFAULT_PROMPT = "Describe the two images."
@@ -24,6 +31,7 @@ def transcription_kwargs(
     response_format: str = "json",
     filename: str = "speech.wav",
     temperature: float = 0.0,
+    content_type: str = "audio/wav",
 ) -> dict[str, Any]:
     """Arguments for ``client.audio.transcriptions.create``; ``language=None`` leaves the field out."""
     data = audio.read_bytes() if isinstance(audio, Path) else audio
@@ -31,7 +39,7 @@ def transcription_kwargs(
         filename = audio.name
     kwargs: dict[str, Any] = {
         "model": model,
-        "file": (filename, data, "audio/wav"),
+        "file": (filename, data, content_type),
         "response_format": response_format,
         "temperature": temperature,
     }
@@ -71,6 +79,7 @@ def image_chat_kwargs(
     max_tokens: int = 16,
     temperature: float = 0.0,
     stream: bool = False,
+    n: int | None = None,
 ) -> dict[str, Any]:
     """Arguments for ``client.chat.completions.create``: one user turn, the images then the prompt.
 
@@ -81,10 +90,88 @@ def image_chat_kwargs(
         for img in images
     ]
     content.append({"type": "text", "text": prompt})
-    return {
+    kwargs: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "temperature": temperature,
         "stream": stream,
     }
+    if n is not None:
+        kwargs["n"] = n
+    return kwargs
+
+
+# --- audio files in other containers, made in-process (libsndfile: no ffmpeg, no sox) --------------
+AUDIO_FORMATS = {  # name: (soundfile format, subtype, MIME type)
+    "wav": ("WAV", "PCM_16", "audio/wav"),
+    "flac": ("FLAC", "PCM_16", "audio/flac"),
+    "ogg": ("OGG", "VORBIS", "audio/ogg"),
+    "mp3": ("MP3", "MPEG_LAYER_III", "audio/mpeg"),
+}
+
+
+def audio_file(seconds: float, fmt: str = "wav", *, sample_rate: int = 16000, tone_hz: float | None = 440.0) -> bytes:
+    """A mono clip (a quiet tone, or silence with ``tone_hz=None``) encoded as ``fmt`` (wav/flac/ogg/mp3)."""
+    t = np.arange(int(round(seconds * sample_rate)), dtype=np.float32) / sample_rate
+    samples = 0.3 * np.sin(2 * np.pi * tone_hz * t) if tone_hz else np.zeros_like(t)
+    major, subtype, _mime = AUDIO_FORMATS[fmt]
+    buf = io.BytesIO()
+    soundfile.write(buf, samples.astype(np.float32), sample_rate, format=major, subtype=subtype)
+    return buf.getvalue()
+
+
+def audio_mime(fmt: str) -> str:
+    return AUDIO_FORMATS[fmt][2]
+
+
+# --- images whose header says more than their bytes hold ----------------------------------------
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A valid-looking PNG (8-bit greyscale) that *declares* width x height but carries one short row of
+    pixel data: a few dozen bytes, whatever the size claimed (a decompression-bomb probe)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * min(width + 1, 1024))
+    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
+
+
+def jpeg_declaring(width: int, height: int) -> bytes:
+    """A real 8x8 JPEG whose frame header (SOF0) is rewritten to claim width x height (each <= 65535)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, format="JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)  # after marker(2) length(2) precision(1)
+    return bytes(data)
+
+
+# --- requests the openai client cannot express: exact bytes for httpx ----------------------------
+@dataclass(frozen=True)
+class RawRequest:
+    """One HTTP request as bytes: ``httpx.post(base_url + path, content=body, headers=headers)``."""
+
+    path: str
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def raw_json(path: str, payload: Any) -> RawRequest:
+    """A JSON body exactly as given (e.g. a ``model`` that is a number, which the typed client forbids)."""
+    return RawRequest(path, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+
+
+def raw_multipart(path: str, fields: dict[str, str], files: dict[str, tuple[str, bytes, str]] | None = None) -> RawRequest:
+    """A multipart/form-data body built byte by byte (fields, then files as (filename, data, MIME type))."""
+    boundary = uuid.uuid5(uuid.NAMESPACE_URL, repr(sorted(fields.items()))).hex  # deterministic bytes
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+        for name, value in fields.items()
+    ]
+    for name, (filename, data, mime) in (files or {}).items():
+        head = f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+        parts.append(f"{head}Content-Type: {mime}\r\n\r\n".encode() + data + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return RawRequest(path, b"".join(parts), {"Content-Type": f"multipart/form-data; boundary={boundary}"})
