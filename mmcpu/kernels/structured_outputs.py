@@ -1,1 +1,39 @@
-"""Native ``vllm/.../structured_outputs.py``."""
+"""Native ``vllm/v1/worker/gpu/structured_outputs.py``: a grammar's packed token bitmask sets every
+disallowed token's logit to -inf, in place."""
+
+from __future__ import annotations
+
+import torch
+
+from mmcpu.kernels.dispatch import native
+
+
+def _rows(t: torch.Tensor, stride: int, ncols: int) -> torch.Tensor:
+    """``t`` addressed as ``ptr + row * stride + col`` (col < ncols): a writable 2-D view."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.as_strided(((span - ncols) // stride + 1, ncols), (stride, 1))
+
+
+@native("vllm.v1.worker.gpu.structured_outputs", "_apply_grammar_bitmask_kernel",
+        sha256="16b7e09f18111586e030325c09fb2c8fa291ec76fe7a5a8ac8faf811b57dcbc7")
+def _apply_grammar_bitmask_kernel(grid, logits_ptr, logits_stride, logits_indices_ptr, bitmask_ptr, bitmask_stride,
+                                  vocab_size, BLOCK_SIZE):
+    num_masks = grid[0]
+    if num_masks == 0:
+        return
+    words_needed = (vocab_size + 31) // 32
+    # The kernel masks word loads at bitmask_stride and reads 0 (= disallowed) beyond it.
+    packed = _rows(bitmask_ptr, bitmask_stride, min(words_needed, bitmask_stride))[:num_masks]
+    if packed.shape[1] < words_needed:
+        packed = torch.nn.functional.pad(packed, (0, words_needed - packed.shape[1]))
+    bits = (packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    banned = (bits == 0).reshape(num_masks, -1)[:, :vocab_size]
+
+    # Several masks may target one logits row: their bans add up (each program stores only -inf).
+    target, which = logits_indices_ptr[:num_masks].long().unique(return_inverse=True)
+    if target.numel() != num_masks:
+        banned = torch.zeros(target.numel(), vocab_size, dtype=torch.int32).index_add_(0, which, banned.int()) > 0
+    else:
+        banned = banned[which.argsort()]
+    logits = _rows(logits_ptr, logits_stride, vocab_size)
+    logits[target] = logits[target].masked_fill_(banned, float("-inf"))
