@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
+from mmcpu.gateway.routes.proxy import _ModelField
 from mmcpu.payloads import image_chat_kwargs, transcription_kwargs
 from mmcpu.payloads import test_image as make_image
 from mmcpu.servers import ServedApp, free_port, wait_until_ok
@@ -310,6 +311,17 @@ def test_audio_routed_by_model_to_either_of_two_audio_engines() -> None:
         served.stop()
         first.served.stop()
         second.served.stop()
+
+
+def test_model_field_found_across_any_chunking() -> None:
+    # Reads off the socket split part headers and values anywhere: feed the search one byte at a time.
+    body = multipart(("file", b"x" * 50, "a.wav"), ("model", "whisper-b", None), ("model", "later", None))
+    field = _ModelField(BOUNDARY.encode())
+    for i in range(len(body)):
+        field.parser.write(body[i:i + 1])
+        if field.done:
+            break
+    assert field.done and bytes(field.value) == b"whisper-b" and not field.is_file
 
 
 def test_bad_model_in_upload_400(gateway: ServedApp, engines) -> None:

@@ -33,22 +33,28 @@ class _ModelField:
         self.value = bytearray()
         self.done = False
         self.is_file = False
-        self._header = self._disposition = b""
+        self._header = self._value = self._disposition = b""
         self._current = False
         self.parser = MultipartParser(boundary, {
             "on_header_field": self._on_header_field,
             "on_header_value": self._on_header_value,
+            "on_header_end": self._on_header_end,
             "on_headers_finished": self._on_headers_finished,
             "on_part_data": self._on_data,
             "on_part_end": self._on_part_end,
         })
 
+    # Header names and values arrive in pieces wherever a read ends: collect until the header ends.
     def _on_header_field(self, data: bytes, start: int, end: int) -> None:
-        self._header = data[start:end].lower()
+        self._header += data[start:end]
 
     def _on_header_value(self, data: bytes, start: int, end: int) -> None:
-        if self._header == b"content-disposition":
-            self._disposition += data[start:end]
+        self._value += data[start:end]
+
+    def _on_header_end(self) -> None:
+        if self._header.lower() == b"content-disposition":
+            self._disposition = self._value
+        self._header = self._value = b""
 
     def _on_headers_finished(self) -> None:
         # One write() may hold several parts: only the first model part counts, later parts change nothing.
