@@ -102,8 +102,9 @@ class Upstreams:
             r = await self.client.get(f"{engine.url}/v1/models", timeout=self.probe_timeout)
             r.raise_for_status()
             data = r.json()["data"]
-            if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
-                raise ValueError("/v1/models 'data' is not a list of models")
+            if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
+                                                     for m in data):
+                raise ValueError("/v1/models 'data' is not a list of models with ids")
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self._mark(engine, False, _reason(exc))
             return
@@ -127,6 +128,9 @@ class Upstreams:
     def down(self) -> dict[str, str]:
         return {e.name: e.error or "not reached yet" for e in self.engines.values() if not e.up}
 
+    def down_summary(self) -> str:
+        return "; ".join(f"{name} ({why})" for name, why in self.down().items())
+
     def _lookup(self, model: str) -> Engine | None:
         # The first engine that is up and lists it; else the first that listed it last (down: answered 503).
         listing = [e for e in self.engines.values() if e.serves(model)]
@@ -142,10 +146,9 @@ class Upstreams:
             if not engine.up:  # known from its last list: answered at once, no connect attempt
                 raise engine_unavailable(engine.name, engine.error or "down")
             return engine
-        if down := self.down():
-            which = "; ".join(f"{name} ({why})" for name, why in down.items())
+        if self.down():
             raise OpenAIError(
-                503, f"The model '{model}' is not served by any engine that is up; unavailable: {which}",
+                503, f"The model '{model}' is not served by any engine that is up; unavailable: {self.down_summary()}",
                 type="server_error", param="model", code="engine_unavailable",
             )
         raise OpenAIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")

@@ -14,10 +14,9 @@ router = APIRouter(tags=["models"])
 
 async def _merged(upstreams: UpstreamsDep) -> list[dict[str, Any]]:
     await upstreams.refresh()
-    down = upstreams.down()
-    if len(down) == len(upstreams.engines):
-        which = "; ".join(f"{name} ({why})" for name, why in down.items())
-        raise OpenAIError(503, f"No engine is available: {which}", type="server_error", code="engine_unavailable")
+    if len(upstreams.down()) == len(upstreams.engines):
+        raise OpenAIError(503, f"No engine is available: {upstreams.down_summary()}", type="server_error",
+                          code="engine_unavailable")
     return upstreams.models()
 
 
