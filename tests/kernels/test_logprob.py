@@ -1,7 +1,7 @@
 """``_topk_log_softmax_kernel``, ``_ranks_kernel``, ``_fill_logprob_token_ids_kernel``: native vs interpreter.
 
-Exact: ranks, the logprob token-id table and its validity mask, and every NaN / -inf pattern of the log-softmax
-(including the interpreter's NaN rule for the running max, see ``_row_max``).
+Exact: ranks, the logprob token-id table and its validity mask, and which log-softmax outputs are NaN / +-inf
+(a row holding any NaN is NaN throughout; an all -inf row too).
 
 Tolerance: the log-softmax values, within ``LOGPROB_ATOL``. The row max and the final subtractions are exact,
 but ``log(sum(exp(x - max)))`` is not reproducible bit for bit: the interpreter's reference sums each
@@ -153,7 +153,7 @@ def test_ranks_bf16_matches_fp32_reference():
 # _fill_logprob_token_ids_kernel
 
 
-def make_fill_case(rows: int, num_topk: int, max_custom: int):
+def make_fill_case(rows: int, num_topk: int, max_custom: int, padded_cols: int | None = None):
     def make(seed: int) -> Launch:
         g = torch.Generator().manual_seed(seed)
         max_reqs, max_ids = rows + 3, 128  # MAX_LOGPROB_TOKEN_IDS
@@ -171,7 +171,7 @@ def make_fill_case(rows: int, num_topk: int, max_custom: int):
             grid=(rows,),
             args=(out, out.stride(0), valid, valid.stride(0), sampled, topk_ptr, topk_ptr.stride(0), mapping,
                   num_custom, per_req, per_req.stride(0)),
-            kwargs={"NUM_TOPK": num_topk, "PADDED_COLS": triton.next_power_of_2(max(num_cols, 1))},
+            kwargs={"NUM_TOPK": num_topk, "PADDED_COLS": padded_cols or triton.next_power_of_2(max(num_cols, 1))},
             watch={"out": out, "valid": valid, "sampled": sampled, "topk": topk, "mapping": mapping,
                    "num_custom": num_custom, "per_req": per_req})
 
@@ -182,6 +182,11 @@ def make_fill_case(rows: int, num_topk: int, max_custom: int):
 def test_fill_logprob_token_ids(rows, num_topk, max_custom):
     assert differential(vmod._fill_logprob_token_ids_kernel, make_fill_case(rows, num_topk, max_custom),
                         range(4)) == 4
+
+
+def test_fill_logprob_token_ids_narrow_padded_cols():
+    # PADDED_COLS below the widest row (not what the launcher passes): the kernel writes only PADDED_COLS.
+    assert differential(vmod._fill_logprob_token_ids_kernel, make_fill_case(5, 6, 12, padded_cols=4), range(3)) == 3
 
 
 def test_logprob_mismatch_report():

@@ -12,27 +12,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.untyped_storage().nbytes() // t.element_size() - t.storage_offset(),), (1,))
 
 
-def _row_max(logits: torch.Tensor, block: int) -> torch.Tensor:
-    """The kernel's running ``max_val = tl.max(tl.maximum(block, max_val))``, in fp32, per row.
-
-    Without NaNs this is the row max. With them it follows the interpreter: ``tl.maximum`` propagates NaN
-    (numpy.maximum) but the reduction skips it (numpy.nanmax), so NaNs are ignored unless some vocab block
-    is NaN throughout, which makes the running max - and so the row's result - NaN.
-    """
-    num_rows, vocab = logits.shape
-    m = logits.amax(dim=1).float()  # amax propagates NaN: a cheap test for NaN rows
-    nan_rows = m.isnan().nonzero().flatten()
-    if nan_rows.numel():
-        nb = -(-vocab // block)
-        x = torch.full((nan_rows.numel(), nb * block), float("-inf"))  # masked tail loads -inf, never NaN
-        x[:, :vocab] = logits[nan_rows]
-        x = x.view(-1, nb, block)
-        isnan = x.isnan()
-        all_nan_block = isnan.all(dim=2).any(dim=1)
-        m[nan_rows] = torch.where(all_nan_block, float("nan"), x.masked_fill(isnan, float("-inf")).amax(dim=(1, 2)))
-    return m
-
-
 @native("vllm.v1.worker.gpu.sample.logprob", "_topk_log_softmax_kernel",
         sha256="db099e50c4fc5ef1170bf977c65a40c8446d0d25443736234961db6b57119df9")
 def _topk_log_softmax_kernel(grid, output_ptr, logits_ptr, logits_stride, topk_ids_ptr, topk, vocab_size,
@@ -42,7 +21,9 @@ def _topk_log_softmax_kernel(grid, output_ptr, logits_ptr, logits_stride, topk_i
     if num_rows == 0 or topk <= 0:
         return
     logits = logits_ptr.as_strided((num_rows, vocab_size), (logits_stride, 1))
-    max_val = _row_max(logits, BLOCK_SIZE).unsqueeze(1)
+    # The kernel's running max ignores NaNs (interpreter: numpy.nanmax) unless a whole block is NaN, but a row
+    # holding any NaN gets a NaN sum of exps and so NaN everywhere: torch's NaN-propagating amax gives the same.
+    max_val = logits.amax(dim=1, keepdim=True).float()
     e = logits - max_val  # a new fp32 tensor (bf16 - fp32 promotes): the caller's logits stay untouched
     lse = e.exp_().sum(dim=1, keepdim=True).log_()
     ids = topk_ids_ptr.as_strided((num_rows, topk), (topk, 1)).long()
