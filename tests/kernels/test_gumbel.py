@@ -146,7 +146,7 @@ def test_temperature_bf16_matches_fp32_reference(num_tokens, vocab):
 
 def make_gumbel_case(num_tokens: int, vocab: int, *, temps: str = "mixed", use_fp64: bool = False,
                      apply_temperature: bool = False, processed: str | None = None, invalid: bool = False,
-                     ties: bool = False, dtype: torch.dtype = torch.float32):
+                     ties: bool = False, nans: bool = False, dtype: torch.dtype = torch.float32):
     """A launch as ``gumbel_sample`` makes it; ``processed``: None, "plain" (no col), "col" (one 0-d col),
     "per_token" (a col per token, tokens of one request sharing its row as in spec decoding)."""
     num_blocks = triton.cdiv(vocab, BLOCK)
@@ -157,6 +157,8 @@ def make_gumbel_case(num_tokens: int, vocab: int, *, temps: str = "mixed", use_f
         logits = torch.randn(num_tokens + 1, vocab + 9, generator=g) * 3
         if ties:  # many equal maxima: the first index of a block's max must win
             logits = logits.round().clamp(-3, 2)
+        if nans:  # a NaN wins its block (first NaN's index), as numpy's and torch's max both have it
+            logits[1 + num_tokens // 2, torch.randint(0, vocab, (3,), generator=g)] = float("nan")
         logits = logits.to(dtype)
         if processed == "per_token":
             mapping = torch.randint(0, max_reqs, (num_tokens,), generator=g, dtype=torch.int32)
@@ -242,15 +244,16 @@ def gumbel_differential(make, seeds, *, use_fp64: bool = False) -> None:
 
 @pytest.mark.parametrize("num_tokens,vocab", [(1, 1000), (5, 5003), (2, 51864)])
 def test_gumbel_greedy_exact(num_tokens, vocab):
-    # All-greedy batches (the default path of every temperature-0 request) with ties and invalid rows.
-    make = make_gumbel_case(num_tokens, vocab, temps="greedy", invalid=True, ties=True)
+    # All-greedy batches (the default path of every temperature-0 request) with ties, NaNs and invalid rows.
+    make = make_gumbel_case(num_tokens, vocab, temps="greedy", invalid=True, ties=True, nans=True)
     assert differential(vmod._gumbel_sample_kernel, make, range(2)) == 2
 
 
 @pytest.mark.parametrize("use_fp64", [False, True])
 @pytest.mark.parametrize("num_tokens,vocab,seeds", [(1, 1000, range(4)), (6, 5003, range(3)), (1, 51864, [0])])
 def test_gumbel_seeded(num_tokens, vocab, seeds, use_fp64):
-    make = make_gumbel_case(num_tokens, vocab, temps="mixed", use_fp64=use_fp64, invalid=num_tokens > 1)
+    make = make_gumbel_case(num_tokens, vocab, temps="mixed", use_fp64=use_fp64, invalid=num_tokens > 1,
+                            nans=num_tokens > 1)
     gumbel_differential(make, seeds, use_fp64=use_fp64)
 
 
