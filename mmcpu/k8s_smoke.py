@@ -287,7 +287,8 @@ def _expect(actual: Any, wanted: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmcpu.k8s_smoke", description=__doc__.split("\n\n")[0])
     parser.add_argument("--overlay", default="base", help="kustomization to render (default: %(default)s)")
-    parser.add_argument("--image", default=None, help="default: the image the render names")
+    # The render names a fixed tag (mmcpu:0.1.0, for a registry); `make image` builds mmcpu:latest locally.
+    parser.add_argument("--image", default="mmcpu:latest", help="image to run (default: %(default)s, what make image builds)")
     parser.add_argument("--roles", default="audio,vision,gateway", help="Deployments to run (default: %(default)s)")
     args = parser.parse_args(argv)
     roles = [r for r in args.roles.split(",") if r]
