@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mmcpu.kernels.buffer_utils import flat, segments, table, tdiv
+from mmcpu.kernels.buffer_utils import flat, segments, tdiv
+from mmcpu.kernels.ptr import array as table
 from mmcpu.kernels.dispatch import native
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from mmcpu.kernels.dispatch import native
+from mmcpu.kernels.ptr import array as table
 
 
 def flat(t: torch.Tensor) -> np.ndarray:
@@ -22,27 +23,6 @@ def flat(t: torch.Tensor) -> np.ndarray:
     # A strided view: the pointer still addresses the storage linearly, up to its end.
     n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
     return t.as_strided((n,), (1,)).numpy()
-
-
-class _Memory:
-    """Raw memory described by numpy's array interface, so ``np.asarray`` can wrap it without a copy."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, addr: int, typestr: str, numel: int):
-        self.__array_interface__ = {"data": (addr, False), "shape": (numel,), "typestr": typestr, "version": 3}
-
-
-_TYPESTR = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4"}
-
-
-def table(addr: int, dtype: torch.dtype, numel: int) -> np.ndarray:
-    """The ``numel`` elements at raw address ``addr`` (an entry of a pointer table), as a writable numpy view.
-
-    Like :func:`mmcpu.kernels.ptr.view`, but ~1 us: ``ptr.view`` builds a ctypes array type per distinct size
-    (tens of us each, and ctypes keeps every one), and these sizes change from step to step.
-    """
-    return np.asarray(_Memory(int(addr), _TYPESTR[dtype], numel))
 
 
 def segments(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
