@@ -703,7 +703,12 @@ def lint(renders: dict[str, list[Obj]], skips: dict[str, str] = CHECKOV_SKIPS) -
         raise RenderError(f"checkov failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
     reports = json.loads(proc.stdout or "[]")
     found: dict[str, list[str]] = {name: [] for name in renders}
-    for report in reports if isinstance(reports, list) else [reports]:
+    reports = reports if isinstance(reports, list) else [reports]
+    summary = {k: sum(r.get("summary", {}).get(k, 0) for r in reports) for k in ("resource_count", "parsing_errors")}
+    if summary["parsing_errors"] or summary["resource_count"] < sum(map(len, renders.values())) // 2:
+        # A file checkov cannot read would otherwise pass silently.
+        raise RenderError(f"checkov did not read every render: {summary}")
+    for report in reports:
         for r in (report.get("results") or {}).get("failed_checks") or []:
             found[files[r["file_path"]]].append(f"[{r['check_id']}] {r['resource']}: {r['check_name']}")
     return found
