@@ -28,6 +28,7 @@ from mmcpu.checks import CheckFailed, openai_error_body
 from mmcpu.payloads import RawRequest, image_chat_kwargs, test_image, transcription_kwargs
 
 Modality = Literal["audio", "vision"]
+LONG_TEXT = "word " * 5000  # far beyond any context here (Whisper decoder 448, tiny-llava 1024)
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
 TRANSLATIONS = "/v1/audio/translations"
 CHAT = "/v1/chat/completions"
@@ -161,9 +162,22 @@ CASES: list[Case] = [
          why="multipart/form-data with the fields but no file part"),
     Case("file-field-not-a-file", TRANSCRIPTIONS, "audio", _multipart(lambda model: {"model": model, "file": "hello"}),
          status=422, why="'file' sent as a plain form field, not as a file (vLLM answers 422 on purpose)"),
+    Case("prompt-over-decoder-context", TRANSCRIPTIONS, "audio",
+         _stt(payloads.audio_file(1.0), language="en", prompt=LONG_TEXT),
+         why="a `prompt` far longer than Whisper's 448-token decoder"),
+    Case("stream-truncated-flac", TRANSCRIPTIONS, "audio", _stt(_truncated("flac", 30), "flac", stream=True),
+         why="streaming asked for, the audio unreadable: a 4xx before any event, not an error event in a 200"),
+    Case("chat-with-audio-model", CHAT, "audio",
+         lambda model: OpenAICall("chat.completions.create", {
+             "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}),
+         status=404, why="a chat completion for the Whisper model: its engine has no chat route"),
+    Case("get-on-transcriptions", TRANSCRIPTIONS, "audio", lambda model: RawRequest(TRANSCRIPTIONS, b"", method="GET"),
+         status=405, why="GET on a POST-only route"),
     Case("translation-truncated-flac", TRANSLATIONS, "audio", _stt(_truncated("flac", 30), "flac", endpoint=TRANSLATIONS),
          why="the translations route shares the decoder: same 4xx"),
     # --- vision: /v1/chat/completions with image_url parts on the LLaVA engine --------------------------------
+    Case("transcription-with-vision-model", TRANSCRIPTIONS, "vision", _stt(payloads.audio_file(1.0)), status=404,
+         why="a transcription for the LLaVA model: its engine has no audio route"),
     Case("decompression-bomb-png", CHAT, "vision", _chat([payloads.png_declaring(30000, 30000)]),
          why="74-byte PNG declaring 30000x30000 (900 Mpx)"),
     Case("huge-dimensions-jpeg", CHAT, "vision", _chat([payloads.jpeg_declaring(65000, 65000)]),
@@ -200,6 +214,21 @@ CASES: list[Case] = [
     Case("n-zero", CHAT, "vision", _chat([test_image(1)], n=0), why="n = 0"),
     Case("n-negative", CHAT, "vision", _chat([test_image(1)], n=-3), why="n = -3"),
     Case("max-tokens-negative", CHAT, "vision", _chat([test_image(1)], max_tokens=-5), why="max_tokens = -5"),
+    Case("n-too-large", CHAT, "vision", _chat([test_image(1)], n=100_000), why="n = 100000"),
+    Case("prompt-over-context", CHAT, "vision", _chat([test_image(1)], prompt=LONG_TEXT),
+         why="text far beyond the model's context, beside an image"),
+    Case("stream-decompression-bomb", CHAT, "vision", _chat([payloads.png_declaring(30000, 30000)], stream=True),
+         why="the bomb again, streaming: a 4xx before any event"),
+    # MRV2's sampler has fixed per-request tables; overflowing one killed the engine (patches/0014).
+    Case("bad-words-too-long", CHAT, "vision", _chat_with(extra_body={"bad_words": ["x" * 3000]}),
+         why="one bad word of thousands of tokens (MRV2 holds 1024 per request)"),
+    Case("bad-words-too-many", CHAT, "vision", _chat_with(extra_body={"bad_words": [f"w{i}" for i in range(200)]}),
+         why="200 bad words (MRV2 holds 128)"),
+    Case("allowed-token-ids-too-many", CHAT, "vision", _chat_with(extra_body={"allowed_token_ids": [5] * 1025}),
+         why="1025 allowed_token_ids (MRV2 holds 1024)"),
+    Case("stop-token-ids-too-many", CHAT, "vision",
+         _chat_with(extra_body={"min_tokens": 1, "stop_token_ids": list(range(1, 200))}),
+         why="199 stop_token_ids with min_tokens (MRV2 holds 128)"),
     Case("max-tokens-over-context", CHAT, "vision", _chat([test_image(1)], max_tokens=10**7),
          why="max_tokens far beyond the model's context"),
     Case("image-url-not-an-object", CHAT, "vision",
@@ -232,7 +261,7 @@ def send(request: Request, base_url: str, api_key: str = "unused", timeout_s: fl
         if isinstance(request, RawRequest):
             url = _v1(base_url) + request.path.removeprefix("/v1")
             headers = {"Authorization": f"Bearer {api_key}", **request.headers}
-            response = httpx.post(url, content=request.body, headers=headers, timeout=timeout_s)
+            response = httpx.request(request.method, url, content=request.body, headers=headers, timeout=timeout_s)
             return response.status_code, _body(response)
         client = openai.OpenAI(base_url=_v1(base_url), api_key=api_key, max_retries=0, timeout=timeout_s)
         target: Any = client
@@ -243,7 +272,10 @@ def send(request: Request, base_url: str, api_key: str = "unused", timeout_s: fl
         except openai.APIStatusError as exc:
             return exc.status_code, _body(exc.response)
         if isinstance(result, openai.Stream):
-            return 200, [event.model_dump() for event in result]
+            try:
+                return 200, [event.model_dump() for event in result]
+            except openai.APIError as exc:  # an error event inside a 200 stream: too late for a status
+                return 200, f"error event in the stream: {exc}"
         return 200, result if isinstance(result, str) else result.model_dump()
     except (openai.APIConnectionError, httpx.HTTPError) as exc:  # APITimeoutError is an APIConnectionError
         return None, f"{type(exc).__name__}: {exc}"

@@ -32,8 +32,10 @@ def transcription_kwargs(
     filename: str = "speech.wav",
     temperature: float = 0.0,
     content_type: str = "audio/wav",
+    prompt: str | None = None,
+    stream: bool | None = None,
 ) -> dict[str, Any]:
-    """Arguments for ``client.audio.transcriptions.create``; ``language=None`` leaves the field out."""
+    """Arguments for ``client.audio.transcriptions.create``; ``None`` (language, prompt, stream) leaves a field out."""
     data = audio.read_bytes() if isinstance(audio, Path) else audio
     if isinstance(audio, Path):
         filename = audio.name
@@ -45,6 +47,10 @@ def transcription_kwargs(
     }
     if language is not None:
         kwargs["language"] = language
+    if prompt is not None:
+        kwargs["prompt"] = prompt
+    if stream is not None:
+        kwargs["stream"] = stream
     return kwargs
 
 
@@ -151,11 +157,12 @@ def jpeg_declaring(width: int, height: int) -> bytes:
 # --- requests the openai client cannot express: exact bytes for httpx ----------------------------
 @dataclass(frozen=True)
 class RawRequest:
-    """One HTTP request as bytes: ``httpx.post(base_url + path, content=body, headers=headers)``."""
+    """One HTTP request as bytes: ``httpx.request(method, base_url + path, content=body, headers=headers)``."""
 
     path: str
     body: bytes
     headers: dict[str, str] = field(default_factory=dict)
+    method: str = "POST"
 
 
 def raw_json(path: str, payload: Any) -> RawRequest:
