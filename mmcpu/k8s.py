@@ -42,6 +42,7 @@ from kubernetes.utils.quantity import parse_quantity
 from pydantic import ValidationError
 
 from mmcpu.config import REPO_ROOT, Settings
+from mmcpu import launch
 from mmcpu.launch import engine_env, role_commands
 
 KUBE_DIR = REPO_ROOT / "deploy" / "kubernetes"
@@ -64,7 +65,9 @@ CHECKOV_SKIPS = {
 ENGINE_ROLES = {"audio", "vision", "all"}
 MIN_STARTUP_S = 90  # measured: a vLLM CPU engine with a tiny model is ready after 30-90 s
 MIN_DRAIN_S = 60  # least time an engine gets to finish in-flight requests after SIGTERM
-EXIT_MARGIN_S = 10  # after the drain: process exit and the gateway's last bytes
+# After the drain: mmcpu-entrypoint kills a child still running drain + STARTUP_GRACE_S after SIGTERM;
+# the kubelet must not SIGKILL the pod before that.
+EXIT_MARGIN_S = max(10, getattr(launch, "STARTUP_GRACE_S", 0))
 # Measured 3-5 GiB RSS for a tiny-model engine including its KV cache: <= 4 GiB besides the KV
 # cache, plus 1 GiB for /dev/shm ring buffers and request buffers.
 ENGINE_RUNTIME_GIB = 4
@@ -504,9 +507,10 @@ def check_graceful_termination(objects: list[Obj]) -> list[str]:
                 problems.append(f"{kn(obj)}: engine drain {drain} s < {MIN_DRAIN_S} s")
             if grace < (need := _pre_stop_s(c) + drain + EXIT_MARGIN_S):
                 problems.append(f"{kn(obj)}: terminationGracePeriodSeconds {grace} < {need} s (preStop + drain + exit)")
+    engines_drain = max(drains, default=MIN_DRAIN_S)
     for obj, c, grace, drain in gateways:
-        if drain < max(drains, default=MIN_DRAIN_S):
-            problems.append(f"{kn(obj)}: gateway drain {drain:g} s < the engines' {max(drains)} s (it relays them)")
+        if drain < engines_drain:
+            problems.append(f"{kn(obj)}: gateway drain {drain:g} s < the engines' {engines_drain} s (it relays them)")
         if grace < (need := _pre_stop_s(c) + drain + EXIT_MARGIN_S):
             problems.append(f"{kn(obj)}: terminationGracePeriodSeconds {grace} < {need:g} s (preStop + drain + exit)")
     return problems
