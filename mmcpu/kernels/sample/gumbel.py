@@ -16,6 +16,7 @@ M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 N_ROUNDS = 10
+_RAND_SCALE = torch.tensor(4.6566127342e-10, dtype=torch.float32)  # uint_to_uniform_float's 32-bit scale
 
 
 def _xor(owned: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,7 @@ def randint(seed: torch.Tensor, offset: torch.Tensor, offset_bits: int) -> torch
 def uint32_to_uniform_float(x: torch.Tensor) -> torch.Tensor:
     """``uint_to_uniform_float`` for 32-bit words: bitcast to int32, fold negatives (-x - 1), scale in fp32."""
     x = torch.where(x >= 2**31, x ^ M32, x)  # == -(x - 2**32) - 1 for the negative int32s
-    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+    return x.to(torch.float32) * _RAND_SCALE
 
 
 def rand(seed: torch.Tensor, offset: torch.Tensor, offset_bits: int) -> torch.Tensor:
