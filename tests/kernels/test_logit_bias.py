@@ -67,6 +67,11 @@ def test_bias_fp32_small_logits_block():
     assert differential(vmod._bias_kernel, make, range(3)) == 3
 
 
+def test_bias_fp16():
+    """float16 logits run in the interpreter directly (numpy float16 rounds to nearest, like compiled Triton)."""
+    assert differential(vmod._bias_kernel, make_case(4, 1000, torch.float16), range(3)) == 3
+
+
 @pytest.mark.parametrize("num_reqs,vocab", SHAPES[1:])
 def test_bias_bf16_matches_fp32_reference(num_reqs, vocab):
     make = make_case(num_reqs, vocab, torch.bfloat16)

@@ -73,6 +73,32 @@ def test_penalties_fp32_many_blocks():
     assert differential(vmod._penalties_kernel, make, range(3)) == 3
 
 
+def test_penalties_signed_zero():
+    """Penalties of -0.0 count as off (``!= 0.0``) but still turn -0.0 logits into +0.0 in ``x - p * n``.
+    Compared bit for bit here: ``assert_same`` compares values, and -0.0 == +0.0."""
+    make = make_penalties_case(4, 1000, torch.float32, spec=True)
+
+    def signed(seed: int) -> Launch:
+        case = make(seed)
+        logits, freq, pres = case.args[0], case.args[6], case.args[7]
+        logits[:, 7:40] = -0.0
+        freq.zero_()[::2] = -0.0
+        pres.zero_()[1::2] = -0.0 if seed % 2 else 0.0
+        return case
+
+    for seed in range(4):
+        ref, got = signed(seed), signed(seed)
+        run_interpreter(vmod._penalties_kernel, ref)
+        run_native(vmod._penalties_kernel, got)
+        assert torch.equal(ref.args[0].view(torch.int32), got.args[0].view(torch.int32)), f"seed {seed}"
+
+
+def test_penalties_fp16():
+    """float16 logits run in the interpreter directly (numpy float16 rounds to nearest, like compiled Triton)."""
+    make = make_penalties_case(4, 1000, torch.float16, spec=True)
+    assert differential(vmod._penalties_kernel, make, range(3)) == 3
+
+
 @pytest.mark.parametrize("num_reqs,vocab", SHAPES[1:])
 def test_penalties_bf16_matches_fp32_reference(num_reqs, vocab):
     make = make_penalties_case(num_reqs, vocab, torch.bfloat16, spec=True)

@@ -43,9 +43,9 @@ def _penalties_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr,
         return
     req, rep, freq, pres = req[rows], rep[rows, None], freq[rows, None], pres[rows, None]
     logits_2d = _rows(logits_ptr, logits_stride, vocab_size)
-    logits = logits_2d[rows].float()  # indexing copies, so the caller's logits are only written below
-
-    counts = _rows(output_bin_counts_ptr, output_bin_counts_stride, vocab_size)[req]  # a copy: the kernel only reads
+    # index_select copies (then upcast, as the kernel's load): the caller's logits are only written at the end.
+    logits = logits_2d.index_select(0, rows).float()
+    counts = _rows(output_bin_counts_ptr, output_bin_counts_stride, vocab_size).index_select(0, req)  # kernel: read only
     pos = expanded_local_pos_ptr[rows].long()
     max_pos = int(pos.max())
     if max_pos > 0:
@@ -56,20 +56,26 @@ def _penalties_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr,
         tok = token_ids_ptr[torch.where(valid, src, 0)].long()
         valid &= (tok >= 0) & (tok < vocab_size)  # the kernel compares against in-vocab columns only
         counts.scatter_add_(1, torch.where(valid, tok, 0), valid.to(counts.dtype))
-    output_mask = counts > 0
+    seen = counts > 0
 
-    use_rep = (rep != 1.0).flatten()
-    if bool(use_rep.any()):
-        packed = _rows(prompt_bin_mask_ptr, prompt_bin_mask_stride, (vocab_size + 31) // 32)[req]
-        prompt_mask = _unpack_bits(packed, vocab_size)
-        scale = torch.where(prompt_mask | output_mask, rep, 1.0)
-        # Same float ops as the kernel: multiply by (1 / scale) for positive logits, by scale otherwise.
-        factor = torch.where(logits > 0, 1.0 / scale, scale)
-        logits = torch.where(use_rep[:, None], logits * factor, logits)
-    # Two separate ops each (no fused sub with alpha), as in the kernel: x - (p * n).
-    logits = logits - freq * counts.float()
-    logits = logits - pres * output_mask.float()
-    logits_2d[rows] = logits.to(logits_2d.dtype)
+    # Full-vocab selects are gathers / products, not torch.where: CPU where on a data-dependent mask is branchy
+    # (~15x slower than a gather here).
+    if bool((rep != 1.0).any()):
+        packed = _rows(prompt_bin_mask_ptr, prompt_bin_mask_stride, (vocab_size + 31) // 32).index_select(0, req)
+        hit = _unpack_bits(packed, vocab_size) | seen
+        # The kernel's logits *= where(logits > 0, 1 / scale, scale), scale = where(hit, rep, 1.0): the same fp32
+        # factors, picked per element from [1.0, rep, 1 / rep] (1 / rep is the same division as 1 / scale).
+        table = torch.cat([torch.ones_like(rep), rep, 1.0 / rep], dim=1)
+        hit_u8 = hit.to(torch.uint8)
+        pick = hit_u8.add_((logits > 0).logical_and_(hit).to(torch.uint8)).long()  # 0: none, 1: rep, 2: 1 / rep
+        logits.mul_(table.gather(1, pick))
+    # x - (p * n) as two ops (no fused sub with alpha), as in the kernel. Skipped only when every p is +0.0, for
+    # which x - 0.0 == x bit for bit (a -0.0 penalty would turn -0.0 logits into +0.0, so it is not skipped).
+    if bool((freq != 0.0).any() or freq.signbit().any()):
+        logits.sub_(freq * counts.float())
+    if bool((pres != 0.0).any() or pres.signbit().any()):
+        logits.sub_(pres * seen.float())
+    logits_2d.index_copy_(0, rows, logits.to(logits_2d.dtype))
 
 
 @native("vllm.v1.worker.gpu.sample.penalties", "_bincount_kernel",
