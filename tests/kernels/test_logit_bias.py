@@ -10,10 +10,17 @@ reference used, exactly.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from diff import Launch, assert_same, differential, run_interpreter, run_native
 
+from mmcpu.config import REPO_ROOT
 from mmcpu.kernels import dispatch
 from vllm.triton_utils import triton
 from vllm.v1.worker.gpu.sample import logit_bias as vmod
@@ -100,3 +107,68 @@ def test_dispatch_routes_launcher_to_native():
         dispatch.uninstall()
     assert dispatch.STATS.native["_bias_kernel"] == before + 1
     assert_same(ref.watch, got.watch, what="apply_logit_bias via launcher")
+
+
+# A child process: the CPU worker's torch patches (vllm/v1/worker/cpu/shm.py) are process-wide.
+_SAMPLER_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np, torch
+    import vllm.v1.worker.cpu.shm  # noqa: F401  as the CPU worker does
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.states import RequestState
+    from mmcpu.kernels import dispatch
+
+    V, cpu = 1000, torch.device("cpu")
+
+    def step(mode):
+        if mode:
+            dispatch.install(mode)
+        try:
+            states = RequestState(8, 64, 64, 0, V, cpu)
+            sampler = Sampler(8, V, cpu, states)
+            params = [
+                SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+                SamplingParams(temperature=0, logit_bias={5: 3.0, 7: -2.0}, allowed_token_ids=[5, 7, 9, 11, 100]),
+                SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[3, 4]),
+                SamplingParams(temperature=0),
+            ]
+            params[2]._all_stop_token_ids = {3, 4}  # what the engine's tokenizer step would fill in
+            params[3]._bad_words_token_ids = [[1, 2], [9]]
+            g = torch.Generator().manual_seed(0)
+            for i, sp in enumerate(params):
+                prompt = torch.randint(0, V, (10,), generator=g).tolist()
+                states.add_request(f"r{i}", len(prompt), prompt, 0, 16)
+                sampler.add_request(states.req_id_to_index[f"r{i}"], len(prompt), sp)
+            states.apply_staged_writes()
+            sampler.apply_staged_writes()
+            idx = np.array([states.req_id_to_index[f"r{i}"] for i in range(4)], dtype=np.int32)
+            logits = torch.randn(4, V, generator=g)
+            return sampler.apply_sampling_params(logits, torch.from_numpy(idx), idx, torch.full((4,), 10),
+                                                 torch.tensor([2, 0, 0, 1], dtype=torch.int32),
+                                                 torch.zeros(4, dtype=torch.int32))
+        finally:
+            if mode:
+                dispatch.uninstall()
+
+    ref, got = step(None), step("native")
+    print(json.dumps({"native": dict(dispatch.STATS.native), "equal": bool(torch.equal(ref, got)),
+                      "inf_per_row": torch.isinf(got).sum(1).tolist()}))
+""")
+
+
+def test_sampler_step_on_cpu_worker():
+    """vLLM's own Sampler on CPU (with the CPU worker's torch patches), one step with penalties, logit_bias +
+    allowed_token_ids, min_tokens and bad_words: the states build on CPU, every feature kernel runs natively and the
+    processed logits equal the interpreter's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _SAMPLER_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("_bincount_kernel", "_penalties_kernel", "_bias_kernel", "_bad_words_kernel"):
+        assert out["native"].get(name) == 1, out
+    assert out["equal"], out
+    # allowed ids keep 5 of 1000; two stop tokens while below min_tokens; the one-token bad word [9].
+    assert out["inf_per_row"][1:] == [995, 2, 1], out
