@@ -156,8 +156,8 @@ class Mutation:
 
 
 def add_env(objects, component, name, value):
-    """A container env entry: overrides the ConfigMap's value for that container alone."""
-    ctr(objects, component)["env"].append({"name": name, "value": value})
+    """A first container env entry: overrides the ConfigMap's value for that container, $(name) included."""
+    ctr(objects, component)["env"].insert(0, {"name": name, "value": value})
 
 
 def set_engines(objects, value):
@@ -208,7 +208,9 @@ MUTATIONS = [
              lambda o: pod(o, "gateway")["topologySpreadConstraints"][0].update(maxSkew=3)),
     Mutation("short grace", "graceful_termination",
              lambda o: pod(o, "audio").update(terminationGracePeriodSeconds=30)),
-    Mutation("no vLLM drain", "graceful_termination", lambda o: add_env(o, "vision", "MMCPU_DRAIN_S", "0")),
+    Mutation("no vLLM drain", "graceful_termination",
+             lambda o: [ctr(o, "vision")["env"].remove(env_item(o, "vision", "MMCPU_EXTRA_ARGS")),
+                        add_env(o, "vision", "MMCPU_DRAIN_S", "0")]),
     Mutation("tiny vLLM drain", "graceful_termination", lambda o: add_env(o, "audio", "MMCPU_DRAIN_S", "5")),
     Mutation("drain longer than grace", "graceful_termination",
              lambda o: config_map(o).update(MMCPU_DRAIN_S="300")),
