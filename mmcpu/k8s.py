@@ -692,14 +692,15 @@ def checkov() -> Path:
 
 
 def lint(renders: dict[str, list[Obj]], skips: dict[str, str] = CHECKOV_SKIPS) -> dict[str, list[str]]:
-    """checkov's failed Kubernetes checks per named render, all in one run (checkov takes seconds to start)."""
+    """checkov's failed Kubernetes checks per named render ("[CKV_K8S_n] resource: name"), less `skips`;
+    all renders in one run (checkov takes seconds to start)."""
     with tempfile.TemporaryDirectory(prefix="mmcpu-checkov-") as tmp:
         files = {}
         for i, (name, objects) in enumerate(renders.items()):
             files[f"/r{i}.yaml"] = name
             Path(tmp, f"r{i}.yaml").write_text(yaml.safe_dump_all(objects, sort_keys=False))
         cmd = [str(checkov()), "--directory", tmp, "--framework", "kubernetes", "--output", "json", "--quiet",
-               "--compact", "--skip-download", "--skip-check", ",".join(skips) or "NONE"]  # fmt: skip
+               "--compact", "--skip-download"]  # fmt: skip
         # No telemetry or policy download: checkov runs offline (--skip-download) and reports to no one.
         env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
@@ -714,7 +715,8 @@ def lint(renders: dict[str, list[Obj]], skips: dict[str, str] = CHECKOV_SKIPS) -
         raise RenderError(f"checkov did not read every render: {summary}")
     for report in reports:
         for r in (report.get("results") or {}).get("failed_checks") or []:
-            found[files[r["file_path"]]].append(f"[{r['check_id']}] {r['resource']}: {r['check_name']}")
+            if r["check_id"] not in skips:
+                found[files[r["file_path"]]].append(f"[{r['check_id']}] {r['resource']}: {r['check_name']}")
     return found
 
 
