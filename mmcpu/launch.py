@@ -11,17 +11,24 @@ module ``vllm.entrypoints.openai.api_server`` avoids that without faking package
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from mmcpu.config import Settings, get_settings
 
 ROLES = ("audio", "vision", "gateway", "all")
+# Beyond the drain: time to exit after SIGTERM (and all of it for an engine still starting, which ignores SIGTERM).
+STARTUP_GRACE_S = 15
+ROLE_FILE = Path("/tmp/mmcpu-role")  # read by mmcpu.healthcheck
 
 
 def served_name(model: str) -> str:
@@ -66,6 +73,10 @@ def engine_argv(
         argv += ["--max-model-len", str(settings.max_model_len)]
     if not settings.compile:
         argv.append("--enforce-eager")
+    if settings.drain_s > 0:
+        # On SIGTERM vLLM then stops admitting and lets in-flight requests finish for up to this long (its
+        # default, 0, aborts them). compose's stop_grace_period is this plus a margin.
+        argv += ["--shutdown-timeout", str(math.ceil(settings.drain_s))]
     return argv + shlex.split(settings.extra_args) + list(extra or [])
 
 
@@ -81,41 +92,99 @@ def role_commands(role: str, settings: Settings) -> list[tuple[str, list[str], d
     return {"audio": [audio], "vision": [vision], "gateway": [gateway], "all": [audio, vision, gateway]}[role]
 
 
-def supervise(commands: list[tuple[str, list[str], dict[str, str]]]) -> int:
-    """Run several processes; stop all of them when one exits or on SIGTERM/SIGINT (container stop)."""
+def exit_status(code: int) -> int:
+    """A child's Popen return code as a shell exit status (killed by signal N -> 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (vLLM's API server, EngineCore and workers)."""
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def supervise(
+    commands: list[tuple[str, list[str], dict[str, str]]],
+    role: str = "engine",
+    *,
+    drain_s: float = 0,
+    ports: dict[str, int] | None = None,
+) -> int:
+    """Run the processes as children; stop all of them when one exits or on SIGTERM/SIGINT (container stop).
+
+    An exit nobody asked for (no SIGTERM/SIGINT reached us) is a failure even when the child says 0: vLLM's API
+    server exits 0 after its EngineCore died (EngineDeadError). Then one line on stderr says why and the
+    return code is non-zero, so `docker compose logs` shows the reason and the restart policy brings it back.
+    On a stop, a child still running after its drain time (``drain_s`` if it serves its port, else only
+    STARTUP_GRACE_S: vLLM ignores SIGTERM while it starts) is killed with its descendants.
+    """
     procs = {name: subprocess.Popen(argv, env=env) for name, argv, env in commands}
     stopping = False
+    deadlines: dict[str, float] = {}
 
     def stop(signum: int, _frame: object) -> None:
         nonlocal stopping
         stopping = True
-        for proc in procs.values():
-            if proc.poll() is None:
+        for name, proc in procs.items():
+            if proc.poll() is None and name not in deadlines:
+                port = (ports or {}).get(name)
+                serving = port is None or listening(port)
+                deadlines[name] = time.monotonic() + (drain_s if serving else 0) + STARTUP_GRACE_S
                 proc.send_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def requested(signum: int, frame: object) -> None:
+        print(f"[mmcpu] {role}: {signal.Signals(signum).name}: stopping (in-flight requests may drain)",
+              file=sys.stderr, flush=True)
+        stop(signum, frame)
+
+    signal.signal(signal.SIGTERM, requested)
+    signal.signal(signal.SIGINT, requested)
     rc = 0
     while procs:
         for name, proc in list(procs.items()):
             code = proc.poll()
             if code is None:
+                if name in deadlines and time.monotonic() > deadlines[name]:
+                    print(f"[mmcpu] {role}: {name} still running after its drain time; killing it",
+                          file=sys.stderr, flush=True)
+                    kill_tree(proc.pid)
+                    deadlines[name] = float("inf")
                 continue
             del procs[name]
-            if not stopping:
-                print(f"[mmcpu] {name} exited with {code}; stopping the others", file=sys.stderr, flush=True)
-                rc = code or 1
-                stop(signal.SIGTERM, None)
+            if stopping:
+                # Asked to stop: pass a failure through, else a clean stop.
+                rc = rc or exit_status(code)
+                continue
+            rc = exit_status(code) or 1
+            why = "its EngineCore died?" if name in ("audio", "vision", "engine") and code == 0 else "crashed?"
+            print(f"[mmcpu] {role}: {name} exited with {exit_status(code)} without a stop request ({why}); "
+                  f"exiting {rc}", file=sys.stderr, flush=True)
+            stop(signal.SIGTERM, None)
         time.sleep(0.5)
     return rc
 
 
-def run(commands: list[tuple[str, list[str], dict[str, str]]]) -> int:
-    if len(commands) == 1:
-        # One process: become it, so it is PID 1's direct child of the runtime and gets signals itself.
-        _name, argv, env = commands[0]
-        os.execvpe(argv[0], argv, env)
-    return supervise(commands)
+def run(commands: list[tuple[str, list[str], dict[str, str]]], role: str = "engine",
+        settings: Settings | None = None, ports: dict[str, int] | None = None) -> int:
+    # Always as children, never exec: only a parent can tell a requested stop from a death (see supervise).
+    settings = settings or get_settings()
+    return supervise(commands, role, drain_s=settings.drain_s, ports=ports)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = engine_argv(args.model, settings, port=port, served_model_name=args.served_model_name, extra=extra)
     print(f"[mmcpu] runner={settings.runner} kvcache={settings.kvcache_gib}GiB: {shlex.join(cmd)}",
           file=sys.stderr, flush=True)
-    return run([("engine", cmd, engine_env(settings))])
+    return run([("engine", cmd, engine_env(settings))], "engine", settings, {"engine": port})
 
 
 def entrypoint(argv: list[str] | None = None) -> int:
@@ -143,7 +212,13 @@ def entrypoint(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmcpu-entrypoint")
     parser.add_argument("role", choices=ROLES)
     args = parser.parse_args(argv)
-    return run(role_commands(args.role, get_settings()))
+    try:  # tells `python -m mmcpu.healthcheck` which ports must answer (it runs in the same container)
+        ROLE_FILE.write_text(args.role)
+    except OSError:
+        pass
+    settings = get_settings()
+    ports = {"audio": settings.audio_port, "vision": settings.vision_port}
+    return run(role_commands(args.role, settings), args.role, settings, ports)
 
 
 if __name__ == "__main__":
