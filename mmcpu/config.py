@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     vision_args: str = Field(
         '--limit-mm-per-prompt \'{"image":4}\'', description="extra vLLM arguments of the vision engine, shell-split"
     )
+    health_probe_s: float = Field(
+        15, ge=0, description="timeout of the healthcheck's 1-token request to an engine (a hung EngineCore fails "
+        "it); 0 = no such request, /health only"
+    )
 
     # --- gateway -------------------------------------------------------------------------------
     host: str = "0.0.0.0"

@@ -1,11 +1,17 @@
-"""mmcpu.healthcheck (the image's HEALTHCHECK) against real local HTTP servers on free ports."""
+"""mmcpu.healthcheck (the image's HEALTHCHECK) against real local HTTP servers that behave like vLLM / the gateway.
+
+A fake engine answers /health, /metrics (token counters), /v1/models and the 1-token probe routes; the tests make
+it dead (503), hung (the probe never returns in time), busy (counters moving) and check the verdicts.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -13,52 +19,166 @@ import pytest
 from mmcpu.servers import free_port
 
 
-def serve(status: int) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's API
-            self.send_response(status if self.path == "/health" else 404)
-            self.end_headers()
+class FakeEngine:
+    def __init__(self, *, health: int = 200, probe_delay_s: float = 0.0, ping: int = 404):
+        self.health = health
+        self.probe_delay_s = probe_delay_s
+        self.ping = ping
+        self.tokens = 0
+        self.probes: list[str] = []
+        engine = self
 
-        def log_message(self, *args) -> None:
-            pass
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+            def reply(self, status: int, body: bytes = b"", ctype: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
+            def do_GET(self) -> None:  # noqa: N802 - http.server's API
+                if self.path == "/health":
+                    self.reply(engine.health)
+                elif self.path == "/ping":
+                    self.reply(engine.ping, b'{"status":"ok"}')
+                elif self.path == "/metrics":
+                    text = (f'vllm:prompt_tokens_total{{model_name="m"}} {engine.tokens}.0\n'
+                            f'vllm:generation_tokens_total{{model_name="m"}} {engine.tokens // 2}.0\n')
+                    self.reply(200, text.encode(), "text/plain")
+                elif self.path == "/v1/models":
+                    self.reply(200, json.dumps({"data": [{"id": "fake-model"}]}).encode())
+                else:
+                    self.reply(404)
 
-def run_check(gateway: int, audio: int, vision: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MMCPU_PORT=str(gateway), MMCPU_AUDIO_PORT=str(audio), MMCPU_VISION_PORT=str(vision))
-    return subprocess.run([sys.executable, "-m", "mmcpu.healthcheck"], env=env, capture_output=True, text=True)
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                engine.probes.append(self.path)
+                time.sleep(engine.probe_delay_s)
+                if self.path == "/v1/completions":
+                    assert json.loads(body)["max_tokens"] == 1
+                elif self.path == "/v1/audio/transcriptions":
+                    assert b'name="max_completion_tokens"\r\n\r\n1' in body and b"RIFF" in body
+                else:
+                    return self.reply(404)
+                engine.tokens += 2
+                self.reply(200, b'{"text": ""}')
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @pytest.fixture
-def servers():
-    started: list[ThreadingHTTPServer] = []
+def fakes():
+    started: list[FakeEngine] = []
 
-    def start(status: int) -> int:
-        started.append(serve(status))
-        return started[-1].server_address[1]
+    def start(**kwargs) -> FakeEngine:
+        started.append(FakeEngine(**kwargs))
+        return started[-1]
 
     yield start
-    for server in started:
-        server.shutdown()
-        server.server_close()
+    for fake in started:
+        fake.close()
 
 
-def test_single_role_healthy_when_its_port_answers_200(servers):
-    result = run_check(free_port(), servers(200), free_port())
+def run_check(tmp_path, *role: str, gateway: int | None = None, audio: int | None = None, vision: int | None = None,
+              probe_s: float = 2) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MMCPU_PORT=str(gateway or free_port()), MMCPU_AUDIO_PORT=str(audio or free_port()),
+               MMCPU_VISION_PORT=str(vision or free_port()), MMCPU_HEALTH_PROBE_S=str(probe_s),
+               MMCPU_HEALTH_TIMEOUT_S="2")
+    # The check keeps its progress state and reads the role file under /tmp; point both at the test's dir.
+    code = ("import sys, pathlib, mmcpu.healthcheck as h; h.STATE_DIR = pathlib.Path(sys.argv[1]); "
+            "h.ROLE_FILE = h.STATE_DIR / 'role'; sys.argv = sys.argv[1:]; sys.exit(h.main())")
+    return subprocess.run([sys.executable, "-c", code, str(tmp_path), *role], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_engine_healthy_after_a_one_token_probe(fakes, tmp_path):
+    engine = fakes()
+    result = run_check(tmp_path, "vision", vision=engine.port)
     assert result.returncode == 0, result.stdout
-    assert "audio" in result.stdout and "=ok" in result.stdout
+    assert "1-token probe" in result.stdout
+    assert engine.probes == ["/v1/completions"]
 
 
-def test_unhealthy_when_a_served_port_is_not_200(servers):
-    result = run_check(servers(503), servers(200), servers(200))
+def test_audio_engine_probe_is_a_one_token_transcription(fakes, tmp_path):
+    engine = fakes()
+    result = run_check(tmp_path, "audio", audio=engine.port)
+    assert result.returncode == 0, result.stdout
+    assert engine.probes == ["/v1/audio/transcriptions"]
+
+
+def test_dead_engine_core_is_unhealthy(fakes, tmp_path):
+    engine = fakes(health=503)  # vLLM's /health once the EngineCore died
+    result = run_check(tmp_path, "audio", audio=engine.port)
     assert result.returncode == 1
-    assert "gateway" in result.stdout and "HTTP 503" in result.stdout
+    assert "HTTP 503" in result.stdout
 
 
-def test_unhealthy_when_nothing_listens_yet():
-    result = run_check(free_port(), free_port(), free_port())
+def test_hung_engine_core_is_unhealthy_within_the_probe_timeout(fakes, tmp_path):
+    # /health says 200 (vLLM's check_health only reads an "errored" flag), but nothing finishes.
+    engine = fakes(probe_delay_s=10)
+    t0 = time.monotonic()
+    result = run_check(tmp_path, "vision", vision=engine.port, probe_s=1)
+    assert result.returncode == 1, result.stdout
+    assert "timed out" in result.stdout
+    assert time.monotonic() - t0 < 8
+
+
+def test_busy_engine_making_progress_gets_no_extra_request(fakes, tmp_path):
+    engine = fakes()
+    assert run_check(tmp_path, "vision", vision=engine.port).returncode == 0
+    engine.tokens += 50  # real traffic between two checks
+    result = run_check(tmp_path, "vision", vision=engine.port)
+    assert result.returncode == 0
+    assert "progress" in result.stdout
+    assert engine.probes == ["/v1/completions"]  # only the first check probed
+    # No progress since: probe again (an idle engine may have hung meanwhile).
+    assert run_check(tmp_path, "vision", vision=engine.port).returncode == 0
+    assert len(engine.probes) == 2
+
+
+def test_probe_off_checks_health_only(fakes, tmp_path):
+    engine = fakes(probe_delay_s=10)
+    result = run_check(tmp_path, "vision", vision=engine.port, probe_s=0)
+    assert result.returncode == 0, result.stdout
+    assert engine.probes == []
+
+
+def test_gateway_role_checks_the_gateways_own_ping(fakes, tmp_path):
+    gateway = fakes(ping=200, health=503)  # engines behind it down: still alive itself
+    result = run_check(tmp_path, "gateway", gateway=gateway.port)
+    assert result.returncode == 0, result.stdout
+    broken = fakes(ping=500)
+    assert run_check(tmp_path, "gateway", gateway=broken.port).returncode == 1
+
+
+def test_named_role_whose_port_does_not_listen_is_unhealthy(tmp_path):
+    result = run_check(tmp_path, "audio")
     assert result.returncode == 1
-    assert "no port answers yet" in result.stdout
+    assert "not listening" in result.stdout
+
+
+def test_role_from_the_entrypoints_role_file(fakes, tmp_path):
+    engine = fakes(health=503)
+    (tmp_path / "role").write_text("vision")
+    result = run_check(tmp_path, vision=engine.port)
+    assert result.returncode == 1 and "vision" in result.stdout
+
+
+def test_without_a_role_only_listening_ports_count(fakes, tmp_path):
+    engine = fakes()
+    result = run_check(tmp_path, vision=engine.port)
+    assert result.returncode == 0, result.stdout
+    assert "audio" not in result.stdout and "gateway" not in result.stdout
+    assert run_check(tmp_path).stdout.strip() == "no port answers yet"
