@@ -6,18 +6,22 @@
 #                         without compilers, then compose.yaml + compose.test.yaml: the patched stack must pass
 #                         (and log MRV2), the unpatched one must fail with the known error. Prints image size,
 #                         build time, ready time and RSS per service (.cache/logs/e2e/figures.txt).
+#   make up               the stack to leave running: engine, base image and image only when missing or stale
+#                         (label io.mmcpu.inputs-hash), compose.yaml up -d, waits for health, prints the URL
+#   make down             stops it (the cache volume stays)
 #   make docker-engine-stop   stop a dockerd that scripts/docker-engine started
-# TORCH_INDEX_URL empty = PyPI's torch (as `make venv`); =https://download.pytorch.org/whl/cpu gives the CPU
-# build and a ~3 GB smaller image where that index is reachable.
+# TORCH_INDEX_URL: the PyTorch CPU index by default (2.11.0+cpu, ~3 GB smaller image), the same default as
+# docker/Dockerfile (and so `docker compose build`); where it does not answer the build says so in one line and
+# uses PyPI's torch. Empty = PyPI outright.
 IMAGE           ?= mmcpu:latest
 IMAGE_UNPATCHED ?= mmcpu:unpatched
 IMAGE_SMOKE     ?= mmcpu:smoke
-TORCH_INDEX_URL ?=
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 CA_BUNDLE       ?= /etc/ssl/certs/ca-certificates.crt
 E2E_ENV = IMAGE=$(IMAGE) IMAGE_UNPATCHED=$(IMAGE_UNPATCHED) IMAGE_SMOKE=$(IMAGE_SMOKE) \
           TORCH_INDEX_URL=$(TORCH_INDEX_URL) VLLM_VERSION=$(VLLM_VERSION) CA_BUNDLE=$(CA_BUNDLE)
 
-.PHONY: docker-prepare image image-unpatched image-smoke e2e docker-engine-stop
+.PHONY: docker-prepare image image-unpatched image-smoke e2e up down docker-engine-stop
 docker-prepare:
 	scripts/docker-e2e prepare
 
@@ -32,6 +36,12 @@ image-smoke: docker-prepare
 
 e2e:
 	$(E2E_ENV) scripts/docker-e2e all
+
+up:
+	$(E2E_ENV) scripts/docker-e2e up
+
+down:
+	scripts/docker-e2e down
 
 docker-engine-stop:
 	scripts/docker-engine stop
