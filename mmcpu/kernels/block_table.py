@@ -15,7 +15,7 @@ from mmcpu.kernels.dispatch import native
 
 
 @native("vllm.v1.worker.gpu.block_table", "_gather_block_tables_kernel",
-        sha256="e9f87a675c06a40b89a9e31fef29170598bbf5501869560c0f19fc2515dd77e4")
+        sha256="fdab24bafcf37be5a9febf288e24efdac9a5abf18f992b76508bc7b52eddac94")
 def _gather_block_tables_kernel(grid, batch_idx_to_req_idx, src_block_table_ptrs, dst_block_table_ptrs,
                                 block_table_strides, num_blocks_ptr, num_blocks_stride, num_reqs, BLOCK_SIZE):
     # Program (g, b): dst_g[b, :num_blocks[g, req]] = src_g[req, :num_blocks[g, req]] for req = idx[b];
@@ -43,7 +43,7 @@ def _gather_block_tables_kernel(grid, batch_idx_to_req_idx, src_block_table_ptrs
 
 
 @native("vllm.v1.worker.gpu.block_table", "_compute_slot_mappings_kernel",
-        sha256="2eeb10f87a568a721851931bfad7e2bb85bff42d6162268356ca101b5f44ac14")
+        sha256="763d08a8c0f148eaecff8cedd1ee4cd6e57934c07d10885875342c62202a98dc")
 def _compute_slot_mappings_kernel(grid, max_num_tokens, idx_mapping, query_start_loc, pos, block_table_ptrs,
                                   block_table_strides, block_sizes, slot_mappings_ptr, slot_mappings_stride,
                                   cp_rank, CP_SIZE, CP_INTERLEAVE, PAD_ID, TRITON_BLOCK_SIZE):

@@ -84,8 +84,25 @@ def native(module: str, name: str, *, sha256: str) -> Callable[[Callable[..., An
 
 
 def kernel_source_sha256(fn: Callable[..., Any]) -> str:
-    """The guard's hash of a kernel's Python function (decorator line included, indentation removed)."""
-    return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()
+    """The guard's hash of a kernel: its source (decorator line included, indentation removed) and, by name,
+    the source of every ``@triton.jit`` helper and the value of every ``tl.constexpr`` global it reaches
+    (a kernel's body is its helpers too: gumbel sampling lives in ``gumbel_block_argmax``)."""
+    digest = hashlib.sha256()
+    seen: set[str] = set()
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        digest.update(textwrap.dedent(inspect.getsource(f)).encode())
+        for name in sorted(set(f.__code__.co_names) - seen):
+            value = f.__globals__.get(name)
+            inner = getattr(value, "fn", None)
+            if callable(inner) and hasattr(value, "arg_names"):  # a jit function (interpreted or compiled)
+                seen.add(name)
+                todo.append(inner)
+            elif type(value).__name__ == "constexpr":
+                seen.add(name)
+                digest.update(f"{name}={value.value!r}".encode())
+    return digest.hexdigest()
 
 
 def load_native_modules() -> dict[tuple[str, str], NativeKernel]:

@@ -46,7 +46,7 @@ def run_native(kernel: Any, launch: Launch) -> None:
 
 def assert_same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], *, what: str,
                 atol: dict[str, float] | None = None) -> None:
-    """Bit-exact comparison (NaN == NaN), or within ``atol[name]`` for the names given there."""
+    """Exact comparison (NaN == NaN, signed zeros distinguished), or within ``atol[name]`` for the names given."""
     assert ref.keys() == got.keys()
     for name in ref:
         a, b = ref[name], got[name]
@@ -56,6 +56,7 @@ def assert_same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], *, w
             bad = a != b
             if a.is_floating_point():
                 bad &= ~(a.isnan() & b.isnan())
+                bad |= (a == 0) & (b == 0) & (a.signbit() != b.signbit())  # -0.0 vs +0.0 is a difference
             if bool(bad.any()):
                 idx = bad.nonzero()[:5].tolist()
                 raise AssertionError(f"{what}: {name} differs at {idx} ({int(bad.sum())} elements): "

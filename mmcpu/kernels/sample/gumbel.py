@@ -167,7 +167,7 @@ def gumbel_noise(gumbel_seed: torch.Tensor, cols: int, use_fp64: bool) -> torch.
 
 
 @native("vllm.v1.worker.gpu.sample.gumbel", "_gumbel_sample_kernel",
-        sha256="10070a81106f21273abea610552df043811b7a9625fe0beb8ef894bedac3b215")
+        sha256="493e6ab301a3ec693e284e1ec2f7f0a2ad682d73686c6416ec2a5fbc628ef050")
 def _gumbel_sample_kernel(grid, local_argmax_ptr, local_argmax_stride, local_max_ptr, local_max_stride,
                           processed_logits_ptr, processed_logits_stride, processed_logits_col_ptr, logits_ptr,
                           logits_stride, expanded_idx_mapping_ptr, seeds_ptr, pos_ptr, temp_ptr, vocab_size,

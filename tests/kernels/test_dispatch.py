@@ -1,0 +1,149 @@
+"""The dispatch point itself (mmcpu.kernels.dispatch): routing, the guard's fallbacks, counting, the mode switch.
+
+Kernels here are tiny @triton.jit functions written to a temporary module file (the guard hashes source code,
+so they need a real file), registered under that module's name for the test only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import pytest
+import torch
+
+from mmcpu.kernels import dispatch
+
+KERNEL_SRC = '''
+import triton
+import triton.language as tl
+
+SCALE: tl.constexpr = tl.constexpr({scale})
+
+
+@triton.jit
+def _helper(x):
+    return x * {factor}
+
+
+@triton.jit
+def _double_kernel(out_ptr, in_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, _helper(tl.load(in_ptr + offs, mask=mask)) * SCALE, mask=mask)
+'''
+
+
+@pytest.fixture
+def kernel_module(tmp_path, monkeypatch):
+    """Write, import and return a kernel module; each call a new module name, so sources can differ."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    made = []
+
+    def make(factor: int = 2, scale: int = 1):
+        name = f"mmcpu_test_kernels_{len(made)}"
+        (tmp_path / f"{name}.py").write_text(KERNEL_SRC.format(factor=factor, scale=scale))
+        made.append(name)
+        return importlib.import_module(name)
+
+    yield make
+    for name in made:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def registered():
+    """Register natives for the test only; restore the registry and the interpreter's run method after."""
+    saved = dict(dispatch.REGISTRY)
+    keys = []
+
+    def register(module: str, impl, sha: str):
+        keys.append((module, "_double_kernel"))
+        dispatch.REGISTRY.pop((module, "_double_kernel"), None)
+        return dispatch.native(module, "_double_kernel", sha256=sha)(impl)
+
+    yield register
+    dispatch.uninstall()
+    dispatch.REGISTRY.clear()
+    dispatch.REGISTRY.update(saved)
+    dispatch.STATS.native.clear()
+    dispatch.STATS.interpreter.clear()
+
+
+def native_double(grid, out_ptr, in_ptr, n, BLOCK):
+    out_ptr[:n] = in_ptr[:n] * 2
+
+
+def launch(mod, n=5):
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.zeros(8)
+    mod._double_kernel[(1,)](out, x, n, BLOCK=8)
+    return out
+
+
+def test_matching_guard_runs_native_and_counts(kernel_module, registered):
+    mod = kernel_module()
+    calls = []
+    registered(mod.__name__, lambda grid, out_ptr, in_ptr, n, BLOCK: calls.append(grid) or native_double(
+        grid, out_ptr, in_ptr, n, BLOCK), dispatch.kernel_source_sha256(mod._double_kernel.fn))
+    dispatch.install("native")
+    out = launch(mod)
+    assert calls == [(1,)]
+    assert out[:5].tolist() == [0, 2, 4, 6, 8] and out[5:].tolist() == [0, 0, 0]
+    assert dispatch.STATS.native["_double_kernel"] == 1 and not dispatch.STATS.interpreter
+
+
+def test_changed_helper_or_constexpr_changes_the_hash(kernel_module):
+    """The guard covers what the kernel inlines: a helper's body and constexpr globals, not just the kernel."""
+    base = dispatch.kernel_source_sha256(kernel_module(2, 1)._double_kernel.fn)
+    assert dispatch.kernel_source_sha256(kernel_module(2, 1)._double_kernel.fn) == base
+    assert dispatch.kernel_source_sha256(kernel_module(3, 1)._double_kernel.fn) != base  # helper changed
+    assert dispatch.kernel_source_sha256(kernel_module(2, 2)._double_kernel.fn) != base  # constexpr changed
+
+
+def test_stale_hash_falls_back_to_the_interpreter_with_one_warning(kernel_module, registered, caplog):
+    mod = kernel_module(factor=3)  # the kernel the native was NOT written for (it triples)
+    registered(mod.__name__, native_double, "0" * 64)
+    dispatch.install("native")
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcpu.kernels"):
+        first, second = launch(mod), launch(mod)
+    assert first[:5].tolist() == [0, 3, 6, 9, 12] == second[:5].tolist()  # the interpreter ran vLLM's code
+    warnings = [r for r in caplog.records if "_double_kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "source changed" in warnings[0].getMessage()
+    assert dispatch.STATS.interpreter["_double_kernel"] == 2 and not dispatch.STATS.native
+
+
+def test_renamed_argument_falls_back(kernel_module, registered):
+    mod = kernel_module()
+
+    def wrong_names(grid, out, inp, n, BLOCK):  # same arity, other names: must not be trusted
+        raise AssertionError("native must not run")
+
+    registered(mod.__name__, wrong_names, dispatch.kernel_source_sha256(mod._double_kernel.fn))
+    dispatch.install("native")
+    assert launch(mod)[:5].tolist() == [0, 2, 4, 6, 8]
+    entry, why = dispatch.guard(mod._double_kernel.fn, mod._double_kernel.arg_names)
+    assert entry is None and "argument names" in why
+
+
+def test_interpreter_mode_runs_nothing_natively(kernel_module, registered):
+    mod = kernel_module()
+    def must_not_run(grid, out_ptr, in_ptr, n, BLOCK):
+        pytest.fail("native ran")
+
+    registered(mod.__name__, must_not_run, dispatch.kernel_source_sha256(mod._double_kernel.fn))
+    dispatch.install("interpreter")
+    assert launch(mod)[:5].tolist() == [0, 2, 4, 6, 8]
+    assert dispatch.STATS.interpreter["_double_kernel"] == 1
+    assert "1 interpreted (_double_kernel x1)" in dispatch.STATS.summary()
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="MMCPU_KERNELS"):
+        dispatch.install("fast")
+
+
+def test_native_signature_must_start_with_grid():
+    with pytest.raises(TypeError, match="grid"):
+        dispatch.native("x", "y", sha256="0")(lambda out_ptr: None)
