@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -10,6 +12,11 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Images per chat request the vision engine accepts (vLLM --limit-mm-per-prompt): the fixture tests send two
+# different images per request and the hard-input catalogue one more than the limit.
+IMAGE_LIMIT = 4
+VISION_LIMIT_ARGS = ["--limit-mm-per-prompt", json.dumps({"image": IMAGE_LIMIT}, separators=(",", ":"))]
 
 
 class Settings(BaseSettings):
@@ -47,7 +54,7 @@ class Settings(BaseSettings):
     vision_port: int = 8002
     audio_args: str = Field("", description="extra vLLM arguments of the audio engine, shell-split")
     vision_args: str = Field(
-        '--limit-mm-per-prompt \'{"image":4}\'', description="extra vLLM arguments of the vision engine, shell-split"
+        shlex.join(VISION_LIMIT_ARGS), description="extra vLLM arguments of the vision engine, shell-split"
     )
     health_probe_s: float = Field(
         15, ge=0, description="timeout of the healthcheck's 1-token request to an engine (a hung EngineCore fails "

@@ -47,6 +47,37 @@ def wait_until_ok(url: str, proc: subprocess.Popen, timeout_s: float, what: str,
     raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s (log: {log_path})")
 
 
+def tree_rss(pid: int | None) -> int:
+    """RSS of a process and all its children, summed (shared pages count once per process); 0 if it is gone."""
+    if not pid:
+        return 0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def stop_group(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """Stop a child started with ``start_new_session=True`` and everything in its process group: SIGTERM,
+    then SIGKILL after ``timeout_s`` (vLLM's engine core and workers are in that group)."""
+    if not proc or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
 @dataclass
 class Engine:
     model: Path
@@ -106,26 +137,10 @@ class Engine:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and all its children (API process + engine core)."""
-        if not self.proc or self.proc.poll() is not None:
-            return 0
-        root = psutil.Process(self.proc.pid)
-        total = 0
-        for proc in [root, *root.children(recursive=True)]:
-            try:
-                total += proc.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return tree_rss(self.proc.pid if self.proc and self.proc.poll() is None else None)
 
     def stop(self) -> None:
-        if not self.proc or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        stop_group(self.proc, timeout_s=30)
 
     def __enter__(self) -> Engine:
         return self.start()

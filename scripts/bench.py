@@ -44,10 +44,10 @@ import psutil
 import soundfile
 
 from mmcpu import bench, speech
-from mmcpu.config import REPO_ROOT, get_settings
+from mmcpu.config import REPO_ROOT, VISION_LIMIT_ARGS, get_settings
 from mmcpu.fixtures import whisper_ct2
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.servers import Engine, free_port, wait_until_ok
+from mmcpu.servers import Engine, free_port, stop_group, tree_rss, wait_until_ok
 
 # Published size of upstream's CPU image, for the comparison with ours (see the doc for what each figure is).
 UPSTREAM_IMAGE = [
@@ -72,7 +72,7 @@ CONFIGS = {
 }
 SLOW = {"mrv2_interpreter"}  # seconds per request: one round, at --slow-levels only
 FOREIGN_CORES_LIMIT = 0.25  # a round during which other processes used more cores than this is flagged
-VISION_ARGS = ["--limit-mm-per-prompt", '{"image":4}']
+VISION_ARGS = VISION_LIMIT_ARGS
 LOG = print  # progress lines; flushed (make shows them live)
 
 
@@ -145,24 +145,6 @@ def ct2_model_dir(cache: Path) -> Path:
 
 
 # --- processes and memory --------------------------------------------------------------------------
-
-
-def tree_rss(pid: int | None) -> int:
-    """RSS of a process and its children, summed (shared pages count once per process)."""
-    if not pid:
-        return 0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 class RssSampler(threading.Thread):
@@ -268,13 +250,7 @@ class Gateway:
         return self.proc.pid if self.proc.poll() is None else None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, timeout_s=15)
         self.log.close()
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from mmcpu import speech
-from mmcpu.config import get_settings
+from mmcpu.config import VISION_LIMIT_ARGS, get_settings
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu.servers import Engine
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     clip = speech.synthesize(speech.SENTENCES[0], Path(tempfile.mkdtemp()) / "clip.wav")
     models = {
         "whisper": (settings.models_dir / "whisper-tiny.en", []),
-        "llava": (settings.models_dir / "tiny-llava", ["--limit-mm-per-prompt", '{"image":4}']),
+        "llava": (settings.models_dir / "tiny-llava", VISION_LIMIT_ARGS),
     }
     rows = []
     for key in args.models.split(","):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mmcpu import speech
-from mmcpu.config import get_settings
+from mmcpu.config import VISION_LIMIT_ARGS, get_settings
 from mmcpu.servers import Engine
 
 SETTINGS = get_settings()
@@ -83,7 +83,7 @@ def whisper_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
 
 @pytest.fixture(scope="session")
 def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
-    engine = _engine(llava_model, logs_dir, "mrv2-patched", vllm_args=["--limit-mm-per-prompt", '{"image":4}']).start()
+    engine = _engine(llava_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
     print(f"\n[llava MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     engine.stop()

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmcpu import speech
-from mmcpu.checks import expect_client_error, subtitle_text
+from mmcpu.checks import WER_LIMIT, expect_client_error, subtitle_text
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
@@ -38,9 +38,9 @@ def test_models_merged_and_health(client, gateway, whisper_engine, llava_engine)
 def test_both_modalities_through_one_base_url(client, clips, whisper_engine, llava_engine):
     (path, text) = clips[0]
     result = client.audio.transcriptions.create(**transcription_kwargs(path, model=whisper_engine.name))
-    assert speech.word_error_rate([text], [result.text]) < 0.35
+    assert speech.word_error_rate([text], [result.text]) < WER_LIMIT
     vtt = client.audio.transcriptions.create(**transcription_kwargs(path, model=whisper_engine.name, response_format="vtt"))
-    assert speech.word_error_rate([text], [subtitle_text(vtt, "vtt")]) < 0.35
+    assert speech.word_error_rate([text], [subtitle_text(vtt, "vtt")]) < WER_LIMIT
     reply = client.chat.completions.create(**image_chat_kwargs([test_image(1), test_image(2)], model=llava_engine.name))
     assert reply.choices[0].message.content.strip()
 
@@ -90,7 +90,7 @@ def test_two_audio_engines_routed_by_model(whisper_engine, clips, logs_dir):
         for model, count in sent.items():
             for path, text in clips[:count]:
                 result = client.audio.transcriptions.create(**transcription_kwargs(path, model=model))
-                assert speech.word_error_rate([text], [result.text]) < 0.35, (model, result.text)
+                assert speech.word_error_rate([text], [result.text]) < WER_LIMIT, (model, result.text)
         after = [finished_requests(e) for e in engines]
         assert [b - a for a, b in zip(before, after, strict=True)] == [sent[e.name] for e in engines]
     finally:

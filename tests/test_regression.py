@@ -11,6 +11,8 @@ import openai
 import pytest
 
 from mmcpu import speech
+from mmcpu.checks import WER_LIMIT
+from mmcpu.config import VISION_LIMIT_ARGS
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu.servers import MRV2_LOG_LINE, Engine
 
@@ -44,7 +46,7 @@ def test_whisper_unpatched_fails_patched_passes(whisper_model, unpatched_vllm, w
     good = whisper_engine.client().audio.transcriptions.create(
         **transcription_kwargs(path, model=whisper_engine.name, language="en")
     )
-    assert speech.word_error_rate([text], [good.text]) < 0.35
+    assert speech.word_error_rate([text], [good.text]) < WER_LIMIT
 
 
 def test_two_images_unpatched_fails_patched_passes(llava_model, unpatched_vllm, llava_engine, logs_dir):
@@ -53,7 +55,7 @@ def test_two_images_unpatched_fails_patched_passes(llava_model, unpatched_vllm, 
         model=llava_model,
         log_path=logs_dir / "tiny-llava-mrv2-unpatched.log",
         pythonpath=unpatched_vllm,
-        vllm_args=["--limit-mm-per-prompt", '{"image":4}'],
+        vllm_args=VISION_LIMIT_ARGS,
     ) as bad:
         client = bad.client()
         assert_fails_with_known_error(

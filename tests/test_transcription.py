@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 from mmcpu import speech
-from mmcpu.checks import expect_client_error, subtitle_text
+from mmcpu.checks import WER_LIMIT, expect_client_error, subtitle_text
 from mmcpu.payloads import transcription_kwargs
 from mmcpu.servers import MRV2_LOG_LINE
 
 pytestmark = pytest.mark.slow
-WER_LIMIT = 0.35
 
 
 def transcribe_all(engine, clips, **kwargs) -> list[str]:
