@@ -13,14 +13,26 @@ from mmcpu.servers import MRV2_LOG_LINE
 pytestmark = pytest.mark.slow
 
 
-def chat(engine, images, **kwargs) -> str:
-    result = engine.client().chat.completions.create(**image_chat_kwargs(images, model=engine.name, **kwargs))
+def chat(engine, images, seed: int | None = None, **kwargs) -> str:
+    extra = {} if seed is None else {"seed": seed}
+    result = engine.client().chat.completions.create(**image_chat_kwargs(images, model=engine.name, **kwargs), **extra)
     return result.choices[0].message.content
 
 
 def test_two_different_images_in_one_request(llava_engine):
+    """Both images reach the model: changing only the second one changes the answer (the unpatched engine
+    dies on exactly this request: PR #50073's reduce_data fix)."""
     answer = chat(llava_engine, [test_image(1), test_image(2)])
-    assert answer and answer.strip()
+    assert answer.strip()
+    assert chat(llava_engine, [test_image(1), test_image(1)]) != answer
+    assert chat(llava_engine, [test_image(1), test_image(2)]) == answer
+
+
+def test_same_image_and_seed_is_stable_at_default_temperature(llava_engine):
+    """Sampling at temperature 1: the same images and seed give the same answer, another image another one."""
+    first = chat(llava_engine, [test_image(4)], temperature=1.0, seed=11)
+    assert chat(llava_engine, [test_image(4)], temperature=1.0, seed=11) == first
+    assert chat(llava_engine, [test_image(5)], temperature=1.0, seed=11) != first
 
 
 def test_images_reach_the_model(llava_engine):
