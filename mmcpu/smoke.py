@@ -8,8 +8,17 @@ builders (mmcpu.payloads) and speech (mmcpu.speech):
   - one transcription and one two-image chat at the same time;
   - bad inputs (empty file, non-audio bytes, malformed data URL, unknown model) must get 4xx OpenAI-style
     errors, and a good request must still succeed afterwards.
+  - when mmcpu.hard_inputs exists: every case of its catalogue through the gateway (each must get its 4xx,
+    and the engines must still answer afterwards).
 One line per check; exit 0 only if every check passes. MRV2 evidence is in the engines' logs, which this
 container cannot see: ``make e2e`` checks them after the smoke has passed.
+
+Two more modes for ``make e2e``'s fault tests (scripts/docker-e2e):
+  --load N [--concurrency C]   a bounded mixed load (audio and vision; half of each with sampling options,
+                               temperature 0.8 / top_p 0.9); one ``[load] {json}`` line per request with its
+                               wall-clock start/end, then a summary with p50/p95; exit 0 only with 0 failures
+  --long-s S                   one transcription of an S-second espeak clip (``[long]`` lines): the request
+                               during which ``make e2e`` stops the audio engine, which must let it finish
 """
 
 from __future__ import annotations
@@ -20,6 +29,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+import json
+import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -163,6 +175,18 @@ class Smoke:
         answer = self.chat([test_image(5), test_image(6)])
         return f"transcription {text!r}, chat {answer!r}"
 
+    def run_hard_inputs(self) -> None:
+        """The shared catalogue of hard inputs (mmcpu.hard_inputs), through the gateway, one check per case."""
+        try:
+            from mmcpu import hard_inputs
+        except ImportError:
+            return
+        base_url = str(self.client.base_url).rstrip("/")
+        api_key = self.client.api_key
+        models = {"audio": self.audio_model, "vision": self.vision_model}
+        for result in hard_inputs.run_all(base_url, api_key, models=models):
+            self.check(f"hard-{result.case.name}", lambda r=result: _hard_result(r))
+
     def run(self) -> bool:
         bad_png = "data:image/png;base64,@@@not-base64@@@"
         non_audio = b"this is not audio at all, just text pretending to be a wav file" * 20
@@ -182,9 +206,126 @@ class Smoke:
         self.check("bad-unknown-model-audio", self.bad(
             lambda: self.transcribe(self.clips[0][0], model="no-such-model"), {404}))
         self.check("still-serving-after-bad-inputs", self.still_serving)
+        self.run_hard_inputs()
         passed = sum(self.results)
         print(f"[smoke] {passed}/{len(self.results)} checks passed", flush=True)
         return passed == len(self.results)
+
+
+def _hard_result(result) -> str:
+    if not result.ok:
+        raise CheckFailed(f"{result.case.endpoint} -> {result.status}: {result.detail}")
+    return f"{result.status}: {result.detail[:100]}"
+
+
+# --- fault-test modes ------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0.0
+
+
+def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = None) -> bool:
+    """n requests (fewer if duration_s runs out first), alternating audio / vision, half of each with sampling
+    options; concurrency at a time."""
+    clips = smoke.clips
+    print_lock = threading.Lock()
+
+    def one(i: int) -> dict:
+        kind = "audio" if i % 2 == 0 else "vision"
+        sampling = i % 4 in (2, 3)
+        t0 = time.time()
+        record = {"i": i, "kind": kind, "sampling": sampling, "t0": round(t0, 3)}
+        try:
+            if kind == "audio":
+                path, _ = clips[i // 2 % len(clips)]
+                kwargs = transcription_kwargs(path, model=smoke.audio_model, language="en",
+                                              temperature=0.8 if sampling else 0.0)
+                if sampling:
+                    kwargs["extra_body"] = {"top_p": 0.9}
+                text = smoke.client.audio.transcriptions.create(**kwargs).text
+                if not text.strip():
+                    raise CheckFailed("empty transcription")
+            else:
+                kwargs = image_chat_kwargs([test_image(i % 7 + 1), test_image(i % 5 + 11)], model=smoke.vision_model,
+                                           temperature=0.8 if sampling else 0.0, max_tokens=8)
+                if sampling:
+                    kwargs["top_p"] = 0.9
+                smoke.client.chat.completions.create(**kwargs)
+            record["ok"] = True
+        except openai.APIStatusError as exc:
+            record.update(ok=False, error=f"HTTP {exc.status_code}: {exc.response.text[:150]}")
+        except Exception as exc:  # noqa: BLE001 - every failure is one record
+            record.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:150]}")
+        record["t1"] = round(time.time(), 3)
+        with print_lock:  # one whole line per record: threads' prints must not interleave
+            sys.stdout.write(f"[load] {json.dumps(record)}\n")
+            sys.stdout.flush()
+        return record
+
+    t0 = time.monotonic()
+    records: list[dict] = []
+    lock = threading.Lock()
+    counter = iter(range(n))
+
+    def worker() -> None:
+        while duration_s is None or time.monotonic() - t0 < duration_s:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            record = one(i)
+            with lock:
+                records.append(record)
+            if not record["ok"]:
+                time.sleep(1)  # like a client backing off: a down gateway must not eat the whole budget at once
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    n = len(records)
+    wall = time.monotonic() - t0
+    ok = [r for r in records if r["ok"]]
+    lat = [r["t1"] - r["t0"] for r in ok]
+    summary = {"requests": n, "concurrency": concurrency, "failures": n - len(ok), "wall_s": round(wall, 1),
+               "p50_s": round(percentile(lat, 50), 2), "p95_s": round(percentile(lat, 95), 2)}
+    for kind in ("audio", "vision"):
+        for sampling in (False, True):
+            part = [r for r in records if r["kind"] == kind and r["sampling"] == sampling]
+            part_lat = [r["t1"] - r["t0"] for r in part if r["ok"]]
+            label = f"{kind}{'-sampling' if sampling else ''}"
+            summary[label] = {"n": len(part), "failures": sum(not r["ok"] for r in part),
+                              "p50_s": round(percentile(part_lat, 50), 2),
+                              "p95_s": round(percentile(part_lat, 95), 2)}
+    print(f"[load-summary] {json.dumps(summary)}", flush=True)
+    return summary["failures"] == 0
+
+
+def run_long(smoke: Smoke, seconds: float) -> bool:
+    """One transcription of a clip about ``seconds`` long (the sentences again and again)."""
+    words_per_s = 130 / 60
+    text, i = [], 0
+    while sum(len(t.split()) for t in text) < seconds * words_per_s:
+        text.append(speech.SENTENCES[i % len(speech.SENTENCES)])
+        i += 1
+    path = speech.synthesize(" ".join(text), smoke.workdir / "long.wav")
+    import soundfile
+
+    duration = soundfile.info(str(path)).duration
+    print(f"[long] sending a {duration:.1f} s clip", flush=True)
+    t0 = time.monotonic()
+    try:
+        hyp = smoke.transcribe(path)
+    except Exception as exc:  # noqa: BLE001
+        print(f"[long] FAIL after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return False
+    wer = speech.word_error_rate([" ".join(text)], [hyp])
+    ok = wer < 0.5
+    print(f"[long] {'PASS' if ok else 'FAIL'} after {time.monotonic() - t0:.1f}s: WER {wer:.3f}, "
+          f"{len(hyp.split())} words: {hyp[:120]!r}", flush=True)
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,13 +335,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--audio-model", default=served_name(settings.audio_model), help="default: %(default)s")
     parser.add_argument("--vision-model", default=served_name(settings.vision_model), help="default: %(default)s")
     parser.add_argument("--timeout-s", type=float, default=300, help="per request (default: %(default)s)")
+    parser.add_argument("--load", type=int, metavar="N", help="instead of the checks: a mixed load of N requests")
+    parser.add_argument("--concurrency", type=int, default=8, help="of --load (default: %(default)s)")
+    parser.add_argument("--duration-s", type=float, help="of --load: start no request after this long")
+    parser.add_argument("--long-s", type=float, metavar="S", help="instead of the checks: one S-second transcription")
     args = parser.parse_args(argv)
     api_key = settings.api_key.get_secret_value() if settings.api_key else "unused"
     # max_retries=0: a failing request must show up as the failure it is, not be retried into something else.
     client = openai.OpenAI(base_url=args.base_url, api_key=api_key, max_retries=0, timeout=args.timeout_s)
     print(f"[smoke] {args.base_url}: audio model {args.audio_model}, vision model {args.vision_model}", flush=True)
     with tempfile.TemporaryDirectory(prefix="mmcpu-smoke-") as tmp:
-        ok = Smoke(client, args.audio_model, args.vision_model, Path(tmp)).run()
+        smoke = Smoke(client, args.audio_model, args.vision_model, Path(tmp))
+        if args.load:
+            ok = run_load(smoke, args.load, args.concurrency, args.duration_s)
+        elif args.long_s:
+            ok = run_long(smoke, args.long_s)
+        else:
+            ok = smoke.run()
     return 0 if ok else 1
 
 
