@@ -38,12 +38,11 @@ from pathlib import Path
 import openai
 
 from mmcpu import speech
-from mmcpu.checks import CheckFailed, expect_client_error, subtitle_text
+from mmcpu.checks import WER_LIMIT, CheckFailed, expect_client_error, subtitle_text
 from mmcpu.config import get_settings
 from mmcpu.launch import served_name
 from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
 
-WER_LIMIT = 0.35
 N_SENTENCES = 4  # >= 3 sentences; each MRV2 transcription takes a few seconds on CPU
 
 
@@ -160,6 +159,26 @@ class Smoke:
             raise CheckFailed(f"other images gave the same answer {first!r}: the images do not reach the model")
         return f"{first!r} / other images: {other!r}"
 
+    def chat_default_sampling(self) -> str:
+        """A chat as the openai client sends it by default: no temperature (1.0), plus top_p and a seed. Under
+        Triton's interpreter this request killed the engine; with native kernels it must answer, reproducibly."""
+        kwargs = image_chat_kwargs([test_image(7)], model=self.vision_model)
+        del kwargs["temperature"]
+        answers = [self.client.chat.completions.create(**kwargs, seed=3).choices[0].message.content for _ in (0, 1)]
+        nucleus = self.client.chat.completions.create(**kwargs, top_p=0.9).choices[0].message.content
+        if not answers[0] or answers[0] != answers[1] or not nucleus:
+            raise CheckFailed(f"default sampling: {answers!r}, top_p: {nucleus!r}")
+        return f"{answers[0]!r} (same for the same seed), top_p 0.9: {nucleus!r}"
+
+    def transcription_sampled(self) -> str:
+        path, reference = self.clips[0]
+        result = self.client.audio.transcriptions.create(
+            **transcription_kwargs(path, model=self.audio_model, language="en", temperature=0.4))
+        wer = speech.word_error_rate([reference], [result.text])
+        if wer >= 2 * WER_LIMIT:  # sampling may change a word or two; a broken path loses the sentence
+            raise CheckFailed(f"temperature 0.4: WER {wer:.3f}: {result.text!r}")
+        return f"temperature 0.4: {result.text!r}"
+
     def bad(self, call: Callable[[], object], statuses: range | set[int] = range(400, 500)) -> Callable[[], str]:
         def run() -> str:
             error = expect_client_error(call, statuses)
@@ -197,6 +216,8 @@ class Smoke:
         self.check("transcription-srt", self.transcription_subtitles("srt"))
         self.check("transcription-vtt", self.transcription_subtitles("vtt"))
         self.check("vision-two-images", self.vision_two_images)
+        self.check("chat-default-sampling", self.chat_default_sampling)
+        self.check("transcription-temperature-0.4", self.transcription_sampled)
         self.check("bad-empty-file", self.bad(lambda: self.transcribe(b"")))
         self.check("bad-non-audio-bytes", self.bad(lambda: self.transcribe(non_audio)))
         self.check("bad-malformed-data-url", self.bad(lambda: self.chat([bad_png, test_image(1)])))
