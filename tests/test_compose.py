@@ -130,8 +130,9 @@ def test_each_service_checks_its_own_role_with_sane_timings(default):
         if name != "gateway":
             # /health, /metrics, /v1/models, the 1-token probe and /metrics again must fit in the check's timeout.
             assert timeout > Settings().health_probe_s + 4 * Settings().health_timeout_s
-            # Measured engine starts (docs/docker.md): 48-80 s idle, up to ~440 s on a loaded 2-core host.
-            assert 450 <= duration_s(check["start_period"]) < 1200
+            # Measured engine starts (docs/docker.md): 48-80 s idle; a margin of >= 4x, but a hung load must show
+            # in minutes, not the 20 of old.
+            assert 4 * 80 <= duration_s(check["start_period"]) <= 600
 
 
 def test_logs_are_rotated(default):
