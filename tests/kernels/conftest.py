@@ -47,3 +47,14 @@ def _np_elementwise(interpreter, np_fn):
                               if x.type.is_block() else dtype)
 
     return call
+
+
+@pytest.fixture(autouse=True)
+def pointer_tables_untouched():
+    """No kernel may write into a pointer table (diff.pointer_table / track_pointer_table)."""
+    from diff import PTR_TABLES
+
+    PTR_TABLES.clear()
+    yield
+    assert all(t.equal(orig) for t, orig in PTR_TABLES), "a kernel wrote into a pointer table"
+    PTR_TABLES.clear()

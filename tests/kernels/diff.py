@@ -27,12 +27,17 @@ class Launch:
     keep: list[Any] = field(default_factory=list)  # anything that must stay alive (buffers behind pointers)
 
 
+_ENTRIES: dict[Any, dispatch.NativeKernel] = {}
+
+
 def native_entry(kernel: Any) -> dispatch.NativeKernel:
-    """The registered native implementation of ``kernel``, guard checked (fails the test if stale)."""
-    dispatch.load_native_modules()
-    entry, why = dispatch.guard(kernel.fn, kernel.arg_names)
-    assert entry is not None, f"{kernel.fn.__name__}: {why}"
-    return entry
+    """The registered native implementation of ``kernel``, guard checked once (fails the test if stale)."""
+    if kernel not in _ENTRIES:
+        dispatch.load_native_modules()
+        entry, why = dispatch.guard(kernel.fn, kernel.arg_names)
+        assert entry is not None, f"{kernel.fn.__name__}: {why}"
+        _ENTRIES[kernel] = entry
+    return _ENTRIES[kernel]
 
 
 def run_interpreter(kernel: Any, launch: Launch) -> None:
@@ -78,3 +83,19 @@ def differential(kernel: Any, make: Callable[[int], Launch], seeds: range | list
         assert before.keys() == got.watch.keys()
         n += 1
     return n
+
+
+# Pointer tables (uint64 tensors of raw addresses) differ between the two worlds by construction, so they are not
+# compared with each other; instead each must still hold its own original addresses after the launch.
+PTR_TABLES: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def pointer_table(tensors) -> torch.Tensor:
+    """A uint64 table of ``tensors``' addresses, as vLLM builds them; checked untouched after the test."""
+    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+    track_pointer_table(table)
+    return table
+
+
+def track_pointer_table(table: torch.Tensor) -> None:
+    PTR_TABLES.append((table, table.clone()))

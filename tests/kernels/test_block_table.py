@@ -10,28 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, differential
+from diff import Launch, differential, pointer_table
 
 from vllm.v1.worker.gpu import block_table as vmod
 
 PAD_SLOT_ID = -1
 
 
-_PTR_TABLES: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pointer table, its original addresses)
-
-
-def _ptrs(tensors):
-    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
-    _PTR_TABLES.append((table, table.clone()))
-    return table
-
-
-@pytest.fixture(autouse=True)
-def pointer_tables_untouched():
-    _PTR_TABLES.clear()
-    yield
-    assert all(torch.equal(t, orig) for t, orig in _PTR_TABLES), "a kernel wrote into a pointer table"
-    _PTR_TABLES.clear()
 
 
 def _garbage(g, *shape, dtype=torch.int32):
@@ -51,7 +36,7 @@ def gather_case(num_groups: int, max_reqs: int, max_blocks: list[int], block: in
             wide[i] = torch.randint(0, m + 1, (max_reqs + 5,), generator=g, dtype=torch.int32)
         num_blocks = wide[:, :max_reqs]
         idx = torch.randperm(max_reqs, generator=g)[:num_reqs].to(torch.int32)
-        src_ptrs, dst_ptrs = _ptrs(src), _ptrs(dst)
+        src_ptrs, dst_ptrs = pointer_table(src), pointer_table(dst)
         strides = torch.tensor([t.stride(0) for t in src], dtype=torch.int64)
         watch = {"idx": idx, "num_blocks": wide, "strides": strides}
         watch |= {f"src{i}": t for i, t in enumerate(src)} | {f"dst{i}": t for i, t in enumerate(dst)}
@@ -94,7 +79,7 @@ def slots_case(block_sizes: list[int], max_reqs: int, max_model_len: int, *, cp_
             pos[int(qsl[b]):int(qsl[b + 1])] = torch.arange(start, start + int(query_lens[b]))
         tables = [torch.randint(0, 5000, (max_reqs, -(-max_model_len // (bs * cp_size))), generator=g,
                                 dtype=torch.int32) for bs in block_sizes]
-        ptrs = _ptrs(tables)
+        ptrs = pointer_table(tables)
         strides = torch.tensor([t.stride(0) for t in tables], dtype=torch.int64)
         sizes = torch.tensor(block_sizes, dtype=torch.int32)
         idx = torch.randperm(max_reqs, generator=g)[:num_reqs].to(torch.int32)
