@@ -9,7 +9,9 @@ compared.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,3 +101,29 @@ def pointer_table(tensors) -> torch.Tensor:
 
 def track_pointer_table(table: torch.Tensor) -> None:
     PTR_TABLES.append((table, table.clone()))
+
+
+@contextmanager
+def native_launches() -> Iterator[Counter]:
+    """The dispatcher installed for the block (a vLLM launcher called inside goes the production way); yields a
+    Counter that, after the block, holds the native launches made inside it, per kernel."""
+    before = dispatch.STATS.native.copy()
+    grown: Counter = Counter()
+    dispatch.install("native")
+    try:
+        yield grown
+    finally:
+        dispatch.uninstall()
+        grown.update(dispatch.STATS.native - before)
+
+
+def bf16_matches_fp32_reference(kernel: Any, make: Callable[[int], Launch], seeds: range) -> None:
+    """bf16 logits (the first argument, watched as "logits"): the interpreter cannot be the reference directly
+    (it builds no bf16 constants and truncates on downcast), but these kernels upcast every load to fp32, so
+    the reference is the interpreter on the fp32 upcast, rounded to bf16 - compared exactly."""
+    for seed in seeds:
+        got, ref = make(seed), make(seed)
+        ref.args = (ref.args[0].float(), *ref.args[1:])
+        run_interpreter(kernel, ref)
+        run_native(kernel, got)
+        assert_same({"logits": ref.args[0].to(torch.bfloat16)}, {"logits": got.watch["logits"]}, what=f"seed {seed}")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, assert_same, differential, run_native
+from diff import Launch, assert_same, differential, native_launches, run_native
 
-from mmcpu.kernels import dispatch
 from vllm.v1.worker.gpu.sample import bad_words as vmod
 
 SHAPES = [(1, 100), (4, 1000), (6, 5003)]  # (requests, vocab)
@@ -96,11 +95,7 @@ def test_dispatch_routes_launcher_to_native():
         vmod.apply_bad_words(logits[: m.numel()], m, wt, off, nw, at, pl, tl_, ii, lp, c.grid[1])
 
     call(ref)
-    before = dispatch.STATS.native["_bad_words_kernel"]
-    try:
-        dispatch.install("native")
+    with native_launches() as launched:
         call(got)
-    finally:
-        dispatch.uninstall()
-    assert dispatch.STATS.native["_bad_words_kernel"] == before + 1
+    assert launched["_bad_words_kernel"] == 1
     assert_same(ref.watch, got.watch, what="apply_bad_words via launcher")

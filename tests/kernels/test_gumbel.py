@@ -28,7 +28,6 @@ import triton.language as tl
 from diff import Launch, assert_same, differential, native_entry, run_interpreter, run_native
 
 from mmcpu.kernels import dispatch
-from mmcpu.kernels.dispatch import kernel_source_sha256
 from mmcpu.kernels.sample import gumbel as ngumbel
 from vllm.v1.worker.gpu.sample import gumbel as vmod
 

@@ -18,10 +18,9 @@ import textwrap
 
 import pytest
 import torch
-from diff import Launch, assert_same, differential, run_interpreter, run_native
+from diff import Launch, assert_same, bf16_matches_fp32_reference, differential, native_launches
 
 from mmcpu.config import REPO_ROOT
-from mmcpu.kernels import dispatch
 from vllm.triton_utils import triton
 from vllm.v1.worker.gpu.sample import logit_bias as vmod
 
@@ -81,13 +80,7 @@ def test_bias_fp16():
 
 @pytest.mark.parametrize("num_reqs,vocab", SHAPES[1:])
 def test_bias_bf16_matches_fp32_reference(num_reqs, vocab):
-    make = make_case(num_reqs, vocab, torch.bfloat16)
-    for seed in range(3):
-        got, ref = make(seed), make(seed)
-        ref.args = (ref.args[0].float(), *ref.args[1:])
-        run_interpreter(vmod._bias_kernel, ref)
-        run_native(vmod._bias_kernel, got)
-        assert_same({"logits": ref.args[0].to(torch.bfloat16)}, {"logits": got.watch["logits"]}, what=f"seed {seed}")
+    bf16_matches_fp32_reference(vmod._bias_kernel, make_case(num_reqs, vocab, torch.bfloat16), range(3))
 
 
 def test_dispatch_routes_launcher_to_native():
@@ -99,13 +92,9 @@ def test_dispatch_routes_launcher_to_native():
         vmod.apply_logit_bias(logits[: m.numel(), :vocab], m, pos, na, a, nb, bi, b, ml, ns, s)
 
     call(ref)
-    before = dispatch.STATS.native["_bias_kernel"]
-    try:
-        dispatch.install("native")
+    with native_launches() as launched:
         call(got)
-    finally:
-        dispatch.uninstall()
-    assert dispatch.STATS.native["_bias_kernel"] == before + 1
+    assert launched["_bias_kernel"] == 1
     assert_same(ref.watch, got.watch, what="apply_logit_bias via launcher")
 
 

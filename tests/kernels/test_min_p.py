@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, assert_same, differential, run_interpreter, run_native
+from diff import Launch, bf16_matches_fp32_reference, differential
 
 from vllm.v1.worker.gpu.sample import min_p as vmod
 
@@ -39,10 +39,4 @@ def test_min_p_fp32(num_tokens, vocab):
 
 @pytest.mark.parametrize("num_tokens,vocab", SHAPES)
 def test_min_p_bf16_matches_fp32_reference(num_tokens, vocab):
-    make = make_case(num_tokens, vocab, torch.bfloat16)
-    for seed in range(4):
-        got, ref = make(seed), make(seed)
-        ref.args = (ref.args[0].float(), *ref.args[1:])
-        run_interpreter(vmod._min_p_kernel, ref)
-        run_native(vmod._min_p_kernel, got)
-        assert_same({"logits": ref.args[0].to(torch.bfloat16)}, {"logits": got.watch["logits"]}, what=f"seed {seed}")
+    bf16_matches_fp32_reference(vmod._min_p_kernel, make_case(num_tokens, vocab, torch.bfloat16), range(4))

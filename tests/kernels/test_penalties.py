@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, assert_same, differential, run_interpreter, run_native
+from diff import Launch, assert_same, bf16_matches_fp32_reference, differential, native_launches, run_interpreter, run_native
 
-from mmcpu.kernels import dispatch
 from vllm.v1.worker.gpu.sample import penalties as vmod
 
 SHAPES = [(1, 100), (4, 1000), (7, 5003)]  # (requests, vocab)
@@ -101,13 +100,8 @@ def test_penalties_fp16():
 
 @pytest.mark.parametrize("num_reqs,vocab", SHAPES[1:])
 def test_penalties_bf16_matches_fp32_reference(num_reqs, vocab):
-    make = make_penalties_case(num_reqs, vocab, torch.bfloat16, spec=True)
-    for seed in range(3):
-        got, ref = make(seed), make(seed)
-        ref.args = (ref.args[0].float(), *ref.args[1:])
-        run_interpreter(vmod._penalties_kernel, ref)
-        run_native(vmod._penalties_kernel, got)
-        assert_same({"logits": ref.args[0].to(torch.bfloat16)}, {"logits": got.watch["logits"]}, what=f"seed {seed}")
+    bf16_matches_fp32_reference(vmod._penalties_kernel, make_penalties_case(num_reqs, vocab, torch.bfloat16, spec=True),
+                                range(3))
 
 
 def make_bincount_case(num_reqs: int, vocab: int, *, block_size: int = 1024, max_len: int = 3000,
@@ -160,13 +154,9 @@ def test_dispatch_routes_launchers_to_native():
         vmod.apply_penalties(logits[: m.numel(), :vocab], m, ids, lp, rep, freq, pres, pbm, cnt)
 
     call(bc_ref, pen_ref)  # dispatcher not installed: the interpreter
-    before = dict(dispatch.STATS.native)
-    try:
-        dispatch.install("native")
+    with native_launches() as launched:
         call(bc_got, pen_got)
-    finally:
-        dispatch.uninstall()
     for name in ("_bincount_kernel", "_penalties_kernel"):
-        assert dispatch.STATS.native[name] == before.get(name, 0) + 1, name
+        assert launched[name] == 1, name
     assert_same(bc_ref.watch, bc_got.watch, what="bincount via launcher")
     assert_same(pen_ref.watch, pen_got.watch, what="apply_penalties via launcher")
