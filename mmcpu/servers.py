@@ -86,6 +86,7 @@ class Engine:
     port: int = field(default_factory=free_port)
     pythonpath: Path | None = None  # put a vLLM copy (e.g. the unpatched overlay) in front of site-packages
     vllm_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra settings for this engine, e.g. MMCPU_KERNELS
     served_model_name: str | None = None  # default: the model folder's name (mmcpu-serve's default too)
     proc: subprocess.Popen | None = None
     ready_s: float | None = None
@@ -102,7 +103,7 @@ class Engine:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def start(self, timeout_s: float = 900) -> Engine:
-        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_RUNNER=self.runner, HF_HUB_OFFLINE="1")
+        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_RUNNER=self.runner, HF_HUB_OFFLINE="1", **self.env)
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.pythonpath), env.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,6 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
@@ -448,25 +447,6 @@ class CpuWatch:
                 "flagged": foreign > FOREIGN_CORES_LIMIT}
 
 
-@contextmanager
-def env_set(**values: str | None):
-    """Set (or, for None, remove) environment variables while starting an engine: Engine copies os.environ."""
-    saved = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs", help="default: %(default)s")
@@ -539,7 +519,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def new_engine(model: str, key: str) -> Engine:
         vargs = (VISION_ARGS if model == "llava" else []) + extra
-        eng = Engine(models[model], logs / f"{model}-{key}.log", runner=CONFIGS[key]["runner"], vllm_args=vargs)
+        kernels = CONFIGS[key]["kernels"]
+        eng = Engine(models[model], logs / f"{model}-{key}.log", runner=CONFIGS[key]["runner"], vllm_args=vargs,
+                     env={"MMCPU_KERNELS": kernels} if kernels else {})
         cleanup.append(eng.stop)
         sampler.watch(f"{model}-{key}", lambda eng=eng: eng.proc.pid if eng.proc and eng.proc.poll() is None else None)
         return eng
@@ -547,8 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     def start_engine(eng: Engine, key: str) -> bool:
         log(f"starting {eng.name} as {key} alone (load {loadavg()})")
         try:
-            with env_set(MMCPU_KERNELS=CONFIGS[key]["kernels"]):
-                eng.start()
+            eng.start()
         except Exception as exc:  # noqa: BLE001 - recorded; the other systems still get measured
             failed.append(f"{eng.name} {key}: {str(exc)[:500]}")
             log(f"{eng.name} {key} FAILED to start: {str(exc)[:300]}")
