@@ -6,12 +6,13 @@
 #   make latency   per-request latency MRV2 vs V1 and ready time / RSS per model (prints figures)
 #   make lock      regenerate requirements.lock from the working venv
 #   make bench     benchmarks vs faster-whisper and the V1 runner (scripts/bench.mk; docs/benchmarks.md)
-#   make k8s-check render every Kubernetes overlay, validate it offline, run the hardening/QoS policy
+#   make k8s-check render every Kubernetes overlay (or OVERLAYS=...), validate it offline, checkov + domain rules
 SHELL := /bin/bash
 VENV  ?= .cache/venv
 PY    := $(VENV)/bin/python
 VLLM_VERSION ?= 0.26.0
 PYTEST_ARGS ?=
+OVERLAYS ?=
 
 .PHONY: venv models test test-quick latency lock clean-venv k8s-check
 venv:
@@ -21,7 +22,7 @@ venv:
 	$(PY) -m mmcpu.patchtool check
 
 models: venv
-	$(PY) -m mmcpu.fixtures all
+	$(PY) -m mmcpu.dev.fixtures all
 
 test: models
 	$(PY) -m pytest -v --durations=15 $(PYTEST_ARGS)
@@ -40,7 +41,7 @@ clean-venv:
 	rm -rf $(VENV)
 
 k8s-check:
-	$(PY) -m mmcpu.k8s check
+	$(PY) -m mmcpu.dev.k8s check $(OVERLAYS)
 
 -include docker/e2e.mk
 -include scripts/bench.mk

@@ -12,6 +12,9 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# A source checkout (editable install) keeps its caches in .cache/; an installed package (the image) has no repo
+# root, only site-packages, so there the defaults are the user's cache and the image's /models.
+IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file()
 
 # Images per chat request the vision engine accepts (vLLM --limit-mm-per-prompt): the fixture tests send two
 # different images per request and the hard-input catalogue one more than the limit.
@@ -23,8 +26,14 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MMCPU_", extra="ignore")
 
     # --- where things live ---------------------------------------------------------------------
-    cache_dir: Path = Field(REPO_ROOT / ".cache", description="venvs, fixture models, wheels, logs")
-    models_dir: Path = Field(REPO_ROOT / ".cache" / "models", description="fixture/real model folders")
+    cache_dir: Path = Field(
+        REPO_ROOT / ".cache" if IN_CHECKOUT else Path.home() / ".cache" / "mmcpu",
+        description="venvs, fixture models, wheels, logs (checkout: .cache/; installed: ~/.cache/mmcpu)",
+    )
+    models_dir: Path = Field(
+        REPO_ROOT / ".cache" / "models" if IN_CHECKOUT else Path("/models"),
+        description="fixture/real model folders (checkout: .cache/models; installed: /models, the image's)",
+    )
 
     # --- one vLLM engine (mmcpu-serve) ---------------------------------------------------------
     runner: Literal["v2", "v1"] = Field("v2", description="v2 = Model Runner V2 (MRV2); v1 = classic runner")
@@ -63,7 +72,7 @@ class Settings(BaseSettings):
 
     # --- gateway -------------------------------------------------------------------------------
     host: str = "0.0.0.0"
-    port: int = Field(8000, description="gateway port (the one OpenAI base URL)")
+    gateway_port: int = Field(8000, description="gateway port (the one OpenAI base URL)")
     engines: Annotated[dict[str, str], NoDecode] = Field(
         "audio=http://127.0.0.1:8001,vision=http://127.0.0.1:8002", validate_default=True,
         description="the gateway's engines, 'name=url,...'; requests are routed by the models each one lists",

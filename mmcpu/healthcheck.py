@@ -133,7 +133,7 @@ def role() -> str | None:
 
 def main() -> int:
     settings = get_settings()
-    ports = {"gateway": settings.port, "audio": settings.audio_port, "vision": settings.vision_port}
+    ports = {"gateway": settings.gateway_port, "audio": settings.audio_port, "vision": settings.vision_port}
     wanted = role()
     if wanted is not None and wanted not in ROLES:
         print(f"unknown role {wanted!r} (expected one of {', '.join(ROLES)})")

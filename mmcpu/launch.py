@@ -15,15 +15,13 @@ import math
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
-
 from mmcpu.config import Settings, get_settings
+from mmcpu.proc import exit_status, kill_tree, listening
 
 ROLES = ("audio", "vision", "gateway", "all")
 # Beyond the drain: time to exit after SIGTERM (and all of it for an engine still starting, which ignores SIGTERM).
@@ -90,33 +88,6 @@ def role_commands(role: str, settings: Settings) -> list[tuple[str, list[str], d
     gateway = ("gateway", [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
                dict(os.environ))
     return {"audio": [audio], "vision": [vision], "gateway": [gateway], "all": [audio, vision, gateway]}[role]
-
-
-def exit_status(code: int) -> int:
-    """A child's Popen return code as a shell exit status (killed by signal N -> 128 + N)."""
-    return 128 - code if code < 0 else code
-
-
-def listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (vLLM's API server, EngineCore and workers)."""
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def supervise(
@@ -191,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     """``mmcpu-serve``: one vLLM engine for one model."""
     parser = argparse.ArgumentParser(prog="mmcpu-serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model folder or hub id")
-    parser.add_argument("--port", type=int, default=None, help="default: MMCPU_PORT")
+    parser.add_argument("--port", type=int, default=8000, help="default: %(default)s (vLLM's own)")
     parser.add_argument("--runner", choices=("v2", "v1"), default=None, help="default: MMCPU_RUNNER (v2)")
     parser.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after '--': passed to vLLM as they are")
@@ -200,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runner:
         settings = settings.model_copy(update={"runner": args.runner})
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    port = args.port or settings.port
+    port = args.port
     cmd = engine_argv(args.model, settings, port=port, served_model_name=args.served_model_name, extra=extra)
     print(f"[mmcpu] runner={settings.runner} kvcache={settings.kvcache_gib}GiB: {shlex.join(cmd)}",
           file=sys.stderr, flush=True)

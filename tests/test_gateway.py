@@ -32,9 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
 from mmcpu.gateway.routes.proxy import _ModelField
-from mmcpu.payloads import image_chat_kwargs, transcription_kwargs
-from mmcpu.payloads import test_image as make_image
-from mmcpu.servers import ServedApp, free_port, wait_until_ok
+from mmcpu.dev.payloads import image_chat_kwargs, transcription_kwargs
+from mmcpu.dev.payloads import test_image as make_image
+from mmcpu.dev.servers import ServedApp, free_port, wait_until_ok
 
 AUDIO_MODEL = "whisper-test"
 VISION_MODEL = "llava-test"
@@ -674,7 +674,7 @@ def test_one_log_line_per_request(gateway: ServedApp, caplog: pytest.LogCaptureF
 # --- graceful stop of a real gateway process ------------------------------------------------------------------
 def _gateway_process(engine: StandInEngine, drain_s: float, log_path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_PORT=str(port), MMCPU_ENGINES=f"vision={engine.url}",
+    env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_GATEWAY_PORT=str(port), MMCPU_ENGINES=f"vision={engine.url}",
                MMCPU_DRAIN_S=str(drain_s), MMCPU_API_KEY="")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=env, stdout=log, stderr=subprocess.STDOUT)

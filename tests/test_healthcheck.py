@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mmcpu.servers import free_port
+from mmcpu.dev.servers import free_port
 
 
 class FakeEngine:
@@ -93,7 +93,7 @@ def fakes():
 
 def run_check(tmp_path, *role: str, gateway: int | None = None, audio: int | None = None, vision: int | None = None,
               probe_s: float = 2) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MMCPU_PORT=str(gateway or free_port()), MMCPU_AUDIO_PORT=str(audio or free_port()),
+    env = dict(os.environ, MMCPU_GATEWAY_PORT=str(gateway or free_port()), MMCPU_AUDIO_PORT=str(audio or free_port()),
                MMCPU_VISION_PORT=str(vision or free_port()), MMCPU_HEALTH_PROBE_S=str(probe_s),
                MMCPU_HEALTH_TIMEOUT_S="2")
     # The check keeps its progress state and reads the role file under /tmp; point both at the test's dir.

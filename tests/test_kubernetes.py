@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mmcpu import k8s, k8s_smoke
+from mmcpu.dev import k8s, k8s_smoke
 from mmcpu.config import REPO_ROOT
 
 TARGETS = k8s.overlays()

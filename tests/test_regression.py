@@ -10,11 +10,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from mmcpu import speech
-from mmcpu.checks import WER_LIMIT
+from mmcpu.dev import speech
+from mmcpu.dev.checks import WER_LIMIT
 from mmcpu.config import VISION_LIMIT_ARGS
-from mmcpu.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.servers import MRV2_LOG_LINE, Engine
+from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu.dev.servers import MRV2_LOG_LINE, Engine
 
 pytestmark = pytest.mark.slow
 KNOWN_ERROR = "Found no NVIDIA driver on your system"

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmcpu.checks import WER_LIMIT
-from mmcpu.fixtures import whisper_ct2 as w
+from mmcpu.dev.checks import WER_LIMIT
+from mmcpu.dev.fixtures import whisper_ct2 as w
 
 # A tiny WhisperSpec: every dimension distinct, so a swapped axis or count cannot go unnoticed.
 D, HEADS, FFN, VOCAB, MELS, SRC, TGT, ENC_LAYERS, DEC_LAYERS = 8, 2, 12, 40, 4, 6, 5, 2, 1
@@ -254,7 +254,7 @@ def test_real_tiny_en_is_deterministic_and_transcribes_espeak_speech(tmp_path):
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     from mmcpu.config import get_settings
-    from mmcpu.speech import SENTENCES, synthesize, word_error_rate
+    from mmcpu.dev.speech import SENTENCES, synthesize, word_error_rate
 
     wheels = get_settings().cache_dir / "wheels"
     first = w.build(tmp_path / "a", wheel_cache=wheels)

@@ -63,7 +63,7 @@ def main() -> None:
     # access_log off: GatewayMiddleware already writes the one line per request. On SIGTERM uvicorn closes the
     # listening socket (new connections are refused) and gives in-flight requests drain_s to finish.
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, access_log=False, log_config=None,
+        create_app(settings), host=settings.host, port=settings.gateway_port, access_log=False, log_config=None,
         timeout_graceful_shutdown=settings.drain_s,
     )
 

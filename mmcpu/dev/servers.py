@@ -7,7 +7,6 @@ workers too; the log goes to a file the caller can read (e.g. to prove ``Using V
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,8 +18,9 @@ from typing import Any
 
 import httpx
 import openai
-import psutil
 import uvicorn
+
+from mmcpu.proc import stop_group, tree_rss
 
 MRV2_LOG_LINE = "Using V2 Model Runner"
 
@@ -45,37 +45,6 @@ def wait_until_ok(url: str, proc: subprocess.Popen, timeout_s: float, what: str,
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s (log: {log_path})")
-
-
-def tree_rss(pid: int | None) -> int:
-    """RSS of a process and all its children, summed (shared pages count once per process); 0 if it is gone."""
-    if not pid:
-        return 0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def stop_group(proc: subprocess.Popen | None, timeout_s: float) -> None:
-    """Stop a child started with ``start_new_session=True`` and everything in its process group: SIGTERM,
-    then SIGKILL after ``timeout_s`` (vLLM's engine core and workers are in that group)."""
-    if not proc or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 @dataclass

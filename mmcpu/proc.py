@@ -1,0 +1,68 @@
+"""Process trees: vLLM runs an API server, an EngineCore and workers below whatever started it. The launcher
+(runtime) and the dev tooling (test/bench servers) stop and measure them with these helpers only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+
+import psutil
+
+
+def tree(pid: int | None) -> list[psutil.Process]:
+    """A process and all its descendants; [] if it is gone."""
+    if not pid:
+        return []
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants."""
+    for proc in tree(pid):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def tree_rss(pid: int | None) -> int:
+    """RSS of a process and all its descendants, summed (shared pages count once per process); 0 if gone."""
+    total = 0
+    for proc in tree(pid):
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def stop_group(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """Stop a child started with ``start_new_session=True`` and everything in its process group: SIGTERM,
+    then SIGKILL after ``timeout_s``."""
+    if not proc or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def exit_status(code: int) -> int:
+    """A child's Popen return code as a shell exit status (killed by signal N -> 128 + N)."""
+    return 128 - code if code < 0 else code
