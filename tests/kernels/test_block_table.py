@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, differential, pointer_table
+from diff import Launch, differential, native_launches, pointer_table
 
 from vllm.v1.worker.gpu import block_table as vmod
 
@@ -139,17 +139,11 @@ def _step(bt: vmod.BlockTables) -> dict[str, torch.Tensor]:
 
 
 def test_dispatch_routes_block_table_launchers(monkeypatch):
-    from mmcpu.kernels import dispatch
-
     ref = _step(_block_tables(monkeypatch))  # plain interpreter
     names = ("_gather_block_tables_kernel", "_compute_slot_mappings_kernel", "_apply_write_kernel")
-    before = {k: dispatch.STATS.native[k] for k in names}
-    dispatch.install("native")
-    try:
+    with native_launches() as launched:
         got = _step(_block_tables(monkeypatch))
-    finally:
-        dispatch.uninstall()
-    assert all(dispatch.STATS.native[k] > before[k] for k in names), dispatch.STATS.native
+    assert all(launched[k] > 0 for k in names), launched
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
     assert bool((got["slots"][:, 21:] == PAD_SLOT_ID).all())

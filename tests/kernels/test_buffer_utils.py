@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, differential, track_pointer_table
+from diff import Launch, differential, native_launches, track_pointer_table
 
 from vllm.v1.worker.gpu import buffer_utils as vmod
 
@@ -147,16 +147,10 @@ def _staged_step(monkeypatch) -> dict[str, torch.Tensor]:
 
 
 def test_dispatch_routes_apply_write(monkeypatch):
-    from mmcpu.kernels import dispatch
-
     ref = _staged_step(monkeypatch)  # plain interpreter
-    before = dispatch.STATS.native["_apply_write_kernel"]
-    dispatch.install("native")
-    try:
+    with native_launches() as launched:
         got = _staged_step(monkeypatch)
-    finally:
-        dispatch.uninstall()
-    assert dispatch.STATS.native["_apply_write_kernel"] == before + 3
+    assert launched["_apply_write_kernel"] == 3
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
     assert got["tokens"][2, :3].tolist() == [5, 6, 7] and got["group1"][3, :3].tolist() == [3, 3, 3]

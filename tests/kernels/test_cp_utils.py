@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, differential
+from diff import Launch, differential, native_launches
 
-from mmcpu.kernels import dispatch
 from vllm.v1.worker.gpu import cp_utils as vmod
 
 KERNEL = vmod._dcp_local_seq_lens_kernel
@@ -47,11 +46,7 @@ def test_negative_seq_lens_truncating_division():
 def test_dispatch_routes_launcher():
     out = torch.full((8,), -1, dtype=torch.int32)
     seq_lens = torch.tensor([0, 1, 7, 8, 9, 100, 0, 0], dtype=torch.int32)
-    dispatch.install("native")
-    try:
-        before = dispatch.STATS.native["_dcp_local_seq_lens_kernel"]
+    with native_launches() as launched:
         vmod.prepare_dcp_local_seq_lens(out, seq_lens, 6, dcp_size=2, dcp_rank=1, cp_interleave=4)
-        assert dispatch.STATS.native["_dcp_local_seq_lens_kernel"] == before + 1
-    finally:
-        dispatch.uninstall()
+    assert launched["_dcp_local_seq_lens_kernel"] == 1
     assert out.tolist() == [0, 0, 3, 4, 4, 48, 0, 0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, differential
+from diff import Launch, differential, native_launches
 
 from vllm.triton_utils import triton
 from vllm.v1.worker.gpu import input_batch as vmod
@@ -224,20 +224,14 @@ def _step(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_dispatch_routes_input_batch_launchers():
-    from mmcpu.kernels import dispatch
-
     names = ("_prepare_prefill_inputs_kernel", "_prepare_pos_seq_lens_kernel",
              "_combine_sampled_and_draft_tokens_kernel", "_get_num_sampled_and_rejected_kernel",
              "_post_update_kernel", "_post_update_num_computed_tokens_kernel", "_expand_idx_mapping_kernel")
     for seed in range(2):
         ref = _step(seed)  # plain interpreter
-        before = {k: dispatch.STATS.native[k] for k in names}
-        dispatch.install("native")
-        try:
+        with native_launches() as launched:
             got = _step(seed)
-        finally:
-            dispatch.uninstall()
-        grew = {k: dispatch.STATS.native[k] - before[k] for k in names}
+        grew = {k: launched[k] for k in names}
         # Each launcher launches once (the runner, not prepare_prefill_inputs, skips it without prefills).
         assert all(v == 1 for v in grew.values()), grew
         for k in ref:

@@ -22,9 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import triton
-from diff import Launch, assert_same, differential, native_entry, run_interpreter, run_native
+from diff import Launch, assert_same, differential, native_entry, native_launches, run_interpreter, run_native
 
-from mmcpu.kernels import dispatch
 from vllm.v1.worker.gpu.sample import logprob as vmod
 
 LOGPROB_ATOL = 1e-5  # |logprob| <= ~30 here; fp32 ulp at 16-32 is 2e-6
@@ -216,14 +215,10 @@ def test_dispatch_routes_compute_topk_scores():
                                         expanded_idx_mapping=mapping, max_per_req_token_ids=3)
 
     ref = run()
-    dispatch.install("native")
-    try:
-        before = dispatch.STATS.native.copy()
+    with native_launches() as launched:
         got = run()
-        for name in ("_topk_log_softmax_kernel", "_ranks_kernel", "_fill_logprob_token_ids_kernel"):
-            assert dispatch.STATS.native[name] == before[name] + 1, name
-    finally:
-        dispatch.uninstall()
+    for name in ("_topk_log_softmax_kernel", "_ranks_kernel", "_fill_logprob_token_ids_kernel"):
+        assert launched[name] == 1, name
     assert torch.equal(got.logprob_token_ids, ref.logprob_token_ids)
     assert torch.equal(got.selected_token_ranks, ref.selected_token_ranks)
     torch.testing.assert_close(got.logprobs, ref.logprobs, atol=LOGPROB_ATOL, rtol=0)

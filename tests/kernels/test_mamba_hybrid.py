@@ -11,10 +11,9 @@ import types
 
 import pytest
 import torch
-from diff import Launch, differential
+from diff import Launch, differential, native_launches
 
 import mmcpu.kernels.model_states.mamba_hybrid  # noqa: F401  registers it even before NATIVE_MODULES names it
-from mmcpu.kernels import dispatch
 from vllm.v1.worker.gpu.model_states import mamba_hybrid as vmod
 
 KERNEL = vmod._scatter_num_accepted_kernel
@@ -43,11 +42,7 @@ def test_dispatch_routes_launcher():
     state = types.SimpleNamespace(num_accepted_tokens_gpu=torch.full((6,), 9, dtype=torch.int32),
                                   _align_mode=False, _mamba_ctx=None)
     idx = torch.tensor([4, -1, 0], dtype=torch.int32)
-    dispatch.install("native")
-    try:
-        before = dispatch.STATS.native["_scatter_num_accepted_kernel"]
+    with native_launches() as launched:
         vmod.MambaHybridModelState.postprocess_state(state, idx, torch.tensor([0, 3, 2], dtype=torch.int32))
-        assert dispatch.STATS.native["_scatter_num_accepted_kernel"] == before + 1
-    finally:
-        dispatch.uninstall()
+    assert launched["_scatter_num_accepted_kernel"] == 1
     assert state.num_accepted_tokens_gpu.tolist() == [2, 9, 9, 9, 1, 9]

@@ -12,9 +12,8 @@ import types
 
 import pytest
 import torch
-from diff import Launch, differential
+from diff import Launch, differential, native_launches
 
-from mmcpu.kernels import dispatch
 from vllm.v1.worker.gpu.mm import rope as vmod
 
 KERNEL = vmod._prepare_rope_positions_kernel
@@ -77,10 +76,6 @@ def test_dispatch_routes_launcher():
     state = types.SimpleNamespace(positions=positions, prefill_positions=types.SimpleNamespace(gpu=prefill),
                                   prefill_delta=types.SimpleNamespace(gpu=delta), num_dims=3,
                                   max_model_len=max_model_len)
-    dispatch.install("native")
-    try:
-        before = dispatch.STATS.native["_prepare_rope_positions_kernel"]
+    with native_launches() as launched:
         vmod.RopeState.prepare_positions(state, idx, qsl[:5], prefill_len, computed)
-        assert dispatch.STATS.native["_prepare_rope_positions_kernel"] == before + 1
-    finally:
-        dispatch.uninstall()
+    assert launched["_prepare_rope_positions_kernel"] == 1

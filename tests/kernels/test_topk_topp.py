@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diff import Launch, assert_same, run_interpreter, run_native
+from diff import Launch, assert_same, native_launches, run_interpreter, run_native
 
 import mmcpu.kernels.topk_topp as native_mod
 from vllm.v1.sample.ops import topk_topp_triton as vmod
@@ -58,13 +58,8 @@ def interpretable_range(monkeypatch):
 
 @pytest.fixture
 def native_dispatch():
-    from mmcpu.kernels import dispatch
-
-    dispatch.install("native")
-    try:
-        yield dispatch
-    finally:
-        dispatch.uninstall()
+    with native_launches():
+        yield
 
 
 def tables():
@@ -207,11 +202,11 @@ def test_top_k_is_exact_with_lowest_index_ties(native_dispatch):
             assert torch.equal(got[i] > NINF, want), (vocab, i)
 
 
-def test_dispatch_routes_apply_top_k_top_p_triton(native_dispatch):
-    before = native_dispatch.STATS.native["_topk_topp_kernel"]
+def test_dispatch_routes_apply_top_k_top_p_triton():
     logits = torch.randn(4, 51864)
-    out = vmod.apply_top_k_top_p_triton(logits, torch.tensor([5, 51864, 40, 1], dtype=torch.int32),
-                                        torch.tensor([1.0, 0.5, 1.0, 0.3]))
-    assert native_dispatch.STATS.native["_topk_topp_kernel"] == before + 1
+    with native_launches() as launched:
+        out = vmod.apply_top_k_top_p_triton(logits, torch.tensor([5, 51864, 40, 1], dtype=torch.int32),
+                                            torch.tensor([1.0, 0.5, 1.0, 0.3]))
+    assert launched["_topk_topp_kernel"] == 1
     kept = (out > NINF).sum(dim=1).tolist()
     assert [kept[0], kept[2], kept[3]] == [5, 40, 1] and 1 <= kept[1] < 51864

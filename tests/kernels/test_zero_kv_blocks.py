@@ -12,9 +12,8 @@ import types
 
 import pytest
 import torch
-from diff import Launch, differential
+from diff import Launch, differential, native_launches
 
-from mmcpu.kernels import dispatch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker import utils as vmod
@@ -98,12 +97,8 @@ def test_block_size_not_dividing_page():
 
 def test_dispatch_routes_launcher():
     zeroer, caches, _ = build_world(0, "cpu", torch.float32, 2, 6, 1)
-    dispatch.install("native")
-    try:
-        before = dispatch.STATS.native["_zero_kv_blocks_kernel"]
+    with native_launches() as launched:
         zeroer.zero_block_ids([4, 1])
-        assert dispatch.STATS.native["_zero_kv_blocks_kernel"] == before + 1
-    finally:
-        dispatch.uninstall()
+    assert launched["_zero_kv_blocks_kernel"] == 1
     for kv in caches.values():
         assert bool((kv[[1, 4]] == 0).all()) and bool((kv[[0, 2, 3, 5]] != 0).all())
