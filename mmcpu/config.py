@@ -37,8 +37,23 @@ class Settings(BaseSettings):
 
     # --- one vLLM engine (mmcpu-serve) ---------------------------------------------------------
     runner: Literal["v2", "v1"] = Field("v2", description="v2 = Model Runner V2 (MRV2); v1 = classic runner")
-    kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE; 1 GiB is plenty for tiny models")
-    omp_threads_bind: str = Field("auto", description="VLLM_CPU_OMP_THREADS_BIND, e.g. 'auto', '0-3', 'nobind'")
+    kvcache_gib: float = Field(
+        0.25, gt=0, description="KV cache in GiB (vLLM --kv-cache-memory-bytes). 0.25 holds 17 full-length "
+        "Whisper-tiny requests (7.6k tokens) and costs 0.75 GiB less RSS than 1 (measured); raise it for real "
+        "models (README Sizing)"
+    )
+    executor: Literal["uni", "mp"] = Field(
+        "uni", description="'uni' = vLLM's worker inside the EngineCore process (2 processes, no shared-memory "
+        "queue per step); 'mp' = vLLM's CPU default, the worker in a third process"
+    )
+    omp_threads_bind: str = Field(
+        "cpus", description="'cpus' = one OpenMP thread per CPU the engine is given (its cpuset and CPU quota; "
+        "mmcpu.launch.placement), else VLLM_CPU_OMP_THREADS_BIND as it is: 'auto', '0-3', 'nobind'"
+    )
+    reserved_cpus: int | None = Field(
+        None, ge=0, description="with 'cpus': cores kept for vLLM's front end; None = 0 below 8 CPUs, 1 from 8, "
+        "2 from 16"
+    )
     triton_interpret: bool = Field(
         True, description="run MRV2's Triton kernels in Triton's interpreter (no triton-cpu on PyPI)"
     )

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from mmcpu.config import Settings, get_settings
@@ -35,12 +36,83 @@ def served_name(model: str) -> str:
     return Path(model).name if local else model
 
 
-def engine_env(settings: Settings, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for one vLLM CPU engine."""
+@dataclass(frozen=True)
+class Cpus:
+    """The CPUs an engine may compute on: its affinity (a container's cpuset) and its CPU quota (compose
+    ``cpus:``, a Kubernetes CPU limit; None = no quota)."""
+
+    allowed: tuple[int, ...]
+    quota: float | None = None
+
+    @classmethod
+    def current(cls) -> Cpus:
+        return cls(tuple(sorted(os.sched_getaffinity(0))), cgroup_cpu_quota())
+
+    @property
+    def count(self) -> int:
+        """Whole CPUs to compute on: the quota rounded down (at least 1), at most the allowed ones."""
+        n = len(self.allowed)
+        return n if self.quota is None else max(1, min(n, math.floor(self.quota)))
+
+    def split(self, parts: int) -> list[Cpus]:
+        """The ``all`` role's engines: disjoint halves from 4 CPUs up (each its own cores); below that they
+        share every CPU (one engine alone on one of two cores would leave the other idle)."""
+        if self.count < 2 * parts or parts == 1:
+            return [self] * parts
+        if self.quota is not None and self.quota < len(self.allowed):  # a quota over a shared pool: halve it
+            return [Cpus(self.allowed, self.quota / parts)] * parts
+        usable = self.allowed[: self.count]
+        size = len(usable) // parts
+        quota = None if self.quota is None else self.quota / parts
+        return [Cpus(usable[i * size:(i + 1) * size if i < parts - 1 else None], quota) for i in range(parts)]
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs' worth of quota from cgroup v2 ``cpu.max`` (or v1 ``cpu.cfs_quota_us``); None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def default_reserved(count: int) -> int:
+    """Cores kept for vLLM's front end (API server, scheduler) - README "Sizing": none below 8 CPUs, where one
+    core out of 2-4 costs more compute than the front end needs; 1 from 8, 2 from 16."""
+    return 0 if count < 8 else 1 if count < 16 else 2
+
+
+def placement(settings: Settings, cpus: Cpus) -> dict[str, str]:
+    """vLLM's OpenMP settings. ``MMCPU_OMP_THREADS_BIND=cpus`` (default): threads = the CPUs given less the
+    reserved ones - bound to those cores when the CPUs are the container's own (quota >= the cpuset), else
+    unbound with OMP_NUM_THREADS (a quota over a shared pool, as a Kubernetes limit without the static CPU
+    manager: binding would pin every pod to the node's first cores). Any other value goes to vLLM as it is."""
+    if settings.omp_threads_bind != "cpus":
+        return {"VLLM_CPU_OMP_THREADS_BIND": settings.omp_threads_bind}
+    reserved = default_reserved(cpus.count) if settings.reserved_cpus is None else settings.reserved_cpus
+    threads = max(1, cpus.count - reserved)
+    if cpus.quota is None or cpus.quota >= len(cpus.allowed):
+        bind = ",".join(str(c) for c in cpus.allowed[:threads])
+        return {"VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(threads)}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
+
+
+def engine_env(settings: Settings, base: dict[str, str] | None = None, cpus: Cpus | None = None) -> dict[str, str]:
+    """Environment for one vLLM CPU engine computing on ``cpus`` (default: this process's)."""
     env = dict(os.environ if base is None else base)
-    # vLLM's CPU backend refuses to start without an explicit KV cache size.
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kvcache_gib)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = settings.omp_threads_bind
+    # The KV cache size goes as --kv-cache-memory-bytes (engine_argv); this legacy variable would override it.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.update(placement(settings, cpus or Cpus.current()))
+    if settings.executor == "uni":
+        # vLLM's CPU platform accepts the uniproc executor only with this off (vllm/platforms/cpu.py); the API
+        # server still runs the EngineCore in its own process (AsyncMPClient), the worker moves into it.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if settings.runner == "v2" else "0"
     if settings.runner == "v2" and settings.triton_interpret:
         # No triton-cpu on PyPI: MRV2's @triton.jit kernels run in Triton's interpreter
@@ -66,6 +138,8 @@ def engine_argv(
         "--host", settings.host,
         "--port", str(port),
         "--dtype", settings.dtype,
+        "--kv-cache-memory-bytes", str(int(settings.kvcache_gib * 2**30)),
+        "--distributed-executor-backend", settings.executor,
     ]  # fmt: skip
     if settings.max_model_len:
         argv += ["--max-model-len", str(settings.max_model_len)]
@@ -78,15 +152,17 @@ def engine_argv(
     return argv + shlex.split(settings.extra_args) + list(extra or [])
 
 
-def role_commands(role: str, settings: Settings) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, argv, env) of every process a container role runs."""
-    env = engine_env(settings)
+def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None = None,
+                  cpus: Cpus | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, argv, env) of every process a container role runs; the ``all`` role splits the CPUs."""
+    cpus = cpus or Cpus.current()
+    audio_cpus, vision_cpus = cpus.split(2) if role == "all" else (cpus, cpus)
     audio = ("audio", engine_argv(settings.audio_model, settings, port=settings.audio_port,
-                                  extra=shlex.split(settings.audio_args)), env)
+                                  extra=shlex.split(settings.audio_args)), engine_env(settings, base, audio_cpus))
     vision = ("vision", engine_argv(settings.vision_model, settings, port=settings.vision_port,
-                                    extra=shlex.split(settings.vision_args)), env)
+                                    extra=shlex.split(settings.vision_args)), engine_env(settings, base, vision_cpus))
     gateway = ("gateway", [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
-               dict(os.environ))
+               dict(os.environ if base is None else base))
     return {"audio": [audio], "vision": [vision], "gateway": [gateway], "all": [audio, vision, gateway]}[role]
 
 
@@ -173,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     port = args.port
     cmd = engine_argv(args.model, settings, port=port, served_model_name=args.served_model_name, extra=extra)
-    print(f"[mmcpu] runner={settings.runner} kvcache={settings.kvcache_gib}GiB: {shlex.join(cmd)}",
+    print(f"[mmcpu] runner={settings.runner} executor={settings.executor} kvcache={settings.kvcache_gib:g}GiB: "
+          f"{shlex.join(cmd)}",
           file=sys.stderr, flush=True)
     return run([("engine", cmd, engine_env(settings))], "engine", settings, {"engine": port})
 

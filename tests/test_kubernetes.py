@@ -219,8 +219,9 @@ MUTATIONS = [
     Mutation("gateway drains less than the engines", "graceful_termination",
              lambda o: add_env(o, "gateway", "MMCPU_DRAIN_S", "30")),
     Mutation("more threads than cores", "engine_threads_and_kv_cache",
-             lambda o: set_env(o, "audio", "OMP_NUM_THREADS", "4")),
-    Mutation("cpu raised, threads not", "engine_threads_and_kv_cache", lambda o: set_resources(o, "vision", cpu="4")),
+             lambda o: (add_env(o, "audio", "OMP_NUM_THREADS", "4"), add_env(o, "audio", "MMCPU_OMP_THREADS_BIND",
+                                                                               "nobind"))),
+    Mutation("limit under one core", "engine_threads_and_kv_cache", lambda o: set_resources(o, "vision", cpu="500m")),
     Mutation("KV cache too big", "engine_threads_and_kv_cache",
              lambda o: set_env(o, "audio", "MMCPU_KVCACHE_GIB", "8")),
     Mutation("memory cut, KV kept", "engine_threads_and_kv_cache", lambda o: set_resources(o, "vision", memory="4Gi")),
@@ -229,12 +230,9 @@ MUTATIONS = [
     Mutation("KV cache not a number", "engine_threads_and_kv_cache",
              lambda o: set_env(o, "audio", "MMCPU_KVCACHE_GIB", "lots")),
     Mutation("fixed core ids", "engine_threads_and_kv_cache",
-             lambda o: set_env(o, "vision", "MMCPU_OMP_THREADS_BIND", "0-1")),
-    Mutation("bind unset: launcher's auto off the pool", "engine_threads_and_kv_cache",
-             lambda o: ctr(o, "audio")["env"].remove(env_item(o, "audio", "MMCPU_OMP_THREADS_BIND")),
-             unless="cpu-pool"),
-    Mutation("reserved cores unset", "engine_threads_and_kv_cache",
-             lambda o: ctr(o, "vision")["env"].remove(env_item(o, "vision", "VLLM_CPU_NUM_OF_RESERVED_CPU"))),
+             lambda o: add_env(o, "vision", "MMCPU_OMP_THREADS_BIND", "0-1")),
+    Mutation("auto off the pool", "engine_threads_and_kv_cache",
+             lambda o: add_env(o, "audio", "MMCPU_OMP_THREADS_BIND", "auto"), unless="cpu-pool"),
     Mutation("service selects nothing", "services_reach_pods",
              lambda o: k8s.find(o, "Service", "mmcpu-audio")["spec"]["selector"].update(
                  {"app.kubernetes.io/component": "audi0"})),
@@ -248,7 +246,7 @@ MUTATIONS = [
     Mutation("no toleration", "engines_on_cpu_pool", lambda o: pod(o, "vision").pop("tolerations"), "cpu-pool"),
     Mutation("no node affinity", "engines_on_cpu_pool", lambda o: pod(o, "audio").pop("affinity"), "cpu-pool"),
     Mutation("threads unbound on pool", "engines_on_cpu_pool",
-             lambda o: set_env(o, "vision", "MMCPU_OMP_THREADS_BIND", "nobind"), "cpu-pool"),
+             lambda o: add_env(o, "vision", "MMCPU_OMP_THREADS_BIND", "nobind"), "cpu-pool"),
     Mutation("hub allowed", "models_from_pvc_offline", lambda o: config_map(o).pop("HF_HUB_OFFLINE"), "offline"),
     Mutation("models writable", "models_from_pvc_offline",
              lambda o: next(m for m in ctr(o, "audio")["volumeMounts"] if m["mountPath"] == "/models").pop(
@@ -354,10 +352,12 @@ def test_every_checkov_skip_is_needed_and_explained(lint_all):
 def test_engine_environment_is_what_the_launcher_builds(monkeypatch):
     monkeypatch.setenv("MMCPU_KVCACHE_GIB", "9")  # this process's settings must not leak into the check
     objects = rendered("cpu-pool")
-    [(argv, env)] = k8s.engine_processes(objects, ctr(objects, "audio"))
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"  # the overlay's MMCPU_OMP_THREADS_BIND
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert env["OMP_NUM_THREADS"] == "1"
+    # On the pool (static CPU manager): bound to the 2 exclusive cores of the 2-CPU limit; off it: unbound.
+    [(argv, env)] = k8s.engine_processes(objects, ctr(objects, "audio"), exclusive=True)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("0,1", "2")
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(2**28)  # the manifest's 0.25 GiB, not this process's 9
+    [(_, shared)] = k8s.engine_processes(objects, ctr(objects, "audio"))
+    assert (shared["VLLM_CPU_OMP_THREADS_BIND"], shared["OMP_NUM_THREADS"]) == ("nobind", "2")
     assert argv[argv.index("--model") + 1] == "/models/whisper-tiny.en"  # from the generated ConfigMap
     assert k8s.shutdown_timeout(argv) == 120
 
@@ -406,7 +406,7 @@ def test_docker_emulation_gives_the_container_its_pod_spec():
         f"--shm-size {2**30}", "--network-alias mmcpu-audio", "--publish 127.0.0.1::8001",
         f"type=tmpfs,destination=/tmp,tmpfs-mode=1777,tmpfs-size={2 * 2**30}",
         "type=tmpfs,destination=/model-cache,tmpfs-mode=1777",
-        "--env MMCPU_OMP_THREADS_BIND=nobind", "--env MMCPU_AUDIO_MODEL=/models/whisper-tiny.en",
+        "--env MMCPU_KVCACHE_GIB=0.25", "--env MMCPU_AUDIO_MODEL=/models/whisper-tiny.en",
     ):
         assert expected in joined
     assert args[-2:] == [ctr(rendered("base"), "audio")["image"], "audio"]

@@ -7,6 +7,7 @@ must exit 0 after the child drained; a child that ignores SIGTERM must not outli
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -92,3 +93,73 @@ def test_entrypoint_writes_the_role_for_the_healthcheck(tmp_path, monkeypatch):
     assert launch.entrypoint(["vision"]) == 0
     assert seen["role"] == "vision"
     assert (tmp_path / "role").read_text() == "vision"
+
+
+# --- CPU placement: threads from the CPUs given -----------------------------------------------------------------
+Cpus = launch.Cpus
+
+
+@pytest.mark.parametrize("cpus, expected", [
+    (Cpus((0, 1)), {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"}),          # compose, 2-CPU host
+    (Cpus((0, 1), 2.0), {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"}),     # cpus: 2 on 2 CPUs
+    (Cpus((4, 5, 6), 3.0), {"VLLM_CPU_OMP_THREADS_BIND": "4,5,6", "OMP_NUM_THREADS": "3"}),  # a cpuset of its own
+    (Cpus(tuple(range(64)), 2.0), {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2"}),  # k8s, shared node
+    (Cpus(tuple(range(64)), 2.5), {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2"}),  # quota rounds down
+    (Cpus(tuple(range(64)), 0.5), {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}),  # at least one
+    (Cpus(tuple(range(8))), {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3,4,5,6", "OMP_NUM_THREADS": "7"}),  # 1 reserved
+    (Cpus(tuple(range(16))), {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, range(14))), "OMP_NUM_THREADS": "14"}),
+])
+def test_threads_follow_the_cpus_given(cpus, expected):
+    assert launch.placement(Settings(), cpus) == expected
+
+
+def test_reserved_cpus_and_explicit_binds():
+    assert launch.placement(Settings(reserved_cpus=1), Cpus((0, 1, 2, 3)))["OMP_NUM_THREADS"] == "3"
+    assert launch.placement(Settings(reserved_cpus=9), Cpus((0, 1)))["OMP_NUM_THREADS"] == "1"
+    for value in ("auto", "nobind", "0-3"):  # anything but "cpus" goes to vLLM as it is, threads untouched
+        assert launch.placement(Settings(omp_threads_bind=value), Cpus((0, 1))) == {"VLLM_CPU_OMP_THREADS_BIND": value}
+
+
+def test_all_role_splits_from_four_cpus_and_shares_below():
+    def binds(cpus):
+        return [env["VLLM_CPU_OMP_THREADS_BIND"] for name, _, env in launch.role_commands("all", Settings(), cpus=cpus)
+                if name != "gateway"]
+    assert binds(Cpus((0, 1))) == ["0,1", "0,1"]  # one core each would leave one idle whenever one engine is
+    assert binds(Cpus((0, 1, 2, 3))) == ["0,1", "2,3"]
+    assert binds(Cpus(tuple(range(64)), 8.0)) == ["nobind", "nobind"]
+    threads = [env["OMP_NUM_THREADS"] for n, _, env in launch.role_commands("all", Settings(), cpus=Cpus(
+        tuple(range(64)), 8.0)) if n != "gateway"]
+    assert threads == ["4", "4"]  # a quota over a shared node: halved as well
+    # The single-engine roles keep every CPU.
+    [(_, _, env)] = launch.role_commands("audio", Settings(), cpus=Cpus((0, 1, 2, 3)))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_cgroup_cpu_quota(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert launch.cgroup_cpu_quota(tmp_path) == expected
+
+
+def test_this_process_cpus_are_read():
+    cpus = Cpus.current()
+    assert set(cpus.allowed) == os.sched_getaffinity(0) and 1 <= cpus.count <= len(cpus.allowed)
+
+
+def test_engine_gets_kv_cache_bytes_and_the_uniproc_executor():
+    env = launch.engine_env(Settings(kvcache_gib=0.25), base={"VLLM_CPU_KVCACHE_SPACE": "4"}, cpus=Cpus((0, 1)))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env  # it would override --kv-cache-memory-bytes
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    argv = launch.engine_argv("/models/m", Settings(kvcache_gib=0.25), port=8001)
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(2**28)
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    mp = launch.engine_env(Settings(executor="mp"), base={}, cpus=Cpus((0, 1)))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in mp

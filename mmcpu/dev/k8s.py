@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import os
 import subprocess
@@ -43,7 +44,7 @@ from pydantic import ValidationError
 
 from mmcpu.config import REPO_ROOT, Settings
 from mmcpu import launch
-from mmcpu.launch import engine_env, role_commands
+from mmcpu.launch import Cpus, role_commands
 
 KUBE_DIR = REPO_ROOT / "deploy" / "kubernetes"
 OVERLAYS_DIR = KUBE_DIR / "overlays"
@@ -71,6 +72,7 @@ EXIT_MARGIN_S = max(10, getattr(launch, "STARTUP_GRACE_S", 0))
 # Measured 3-5 GiB RSS for a tiny-model engine including its KV cache: <= 4 GiB besides the KV
 # cache, plus 1 GiB for /dev/shm ring buffers and request buffers.
 ENGINE_RUNTIME_GIB = 4
+NODE_CPUS = 64  # a node bigger than any pod here: off the pool a pod's cpuset is the whole node
 ENGINE_HEADROOM_GIB = 1
 CACHE_ENV = ("HOME", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "HF_HOME")
 POD_KINDS = {"Deployment", "Job", "StatefulSet", "DaemonSet"}
@@ -268,15 +270,24 @@ def container_settings(env: dict[str, str | None]) -> Settings:
     return Settings(_env_prefix="MMCPU_K8S_CHECK_ISOLATED_", **fields)
 
 
-def engine_processes(objects: list[Obj], container: Obj) -> list[tuple[list[str], dict[str, str]]]:
+def engine_processes(objects: list[Obj], container: Obj, exclusive: bool = False
+                     ) -> list[tuple[list[str], dict[str, str]]]:
     """(argv, env) of each vLLM engine the container starts, as mmcpu.launch builds them."""
     env = {k: v for k, v in container_env(objects, container).items() if v is not None}
     settings = container_settings(env)
-    return [
-        (argv, engine_env(settings, base=env))
-        for name, argv, _ in role_commands(role(container), settings)
-        if name != "gateway"
-    ]
+    return [(argv, env) for name, argv, env in role_commands(role(container), settings, base=env,
+                                                              cpus=pod_cpus(container, exclusive))
+            if name != "gateway"]
+
+
+def pod_cpus(container: Obj, exclusive: bool) -> Cpus:
+    """The CPUs the container will see (launch.placement derives its threads from them): its CPU limit as the
+    quota; the cpuset is that many exclusive cores under the static CPU manager (a dedicated pool), else every
+    core of a node bigger than the pod."""
+    limit = ((container.get("resources") or {}).get("limits") or {}).get("cpu")
+    quota = cpu_cores(limit) if limit else None
+    cores = math.floor(quota) if exclusive and quota else NODE_CPUS
+    return Cpus(tuple(range(max(1, cores))), quota)
 
 
 def shutdown_timeout(argv: list[str]) -> int | None:
@@ -524,9 +535,9 @@ def pinned_to_pool(pod: Obj) -> bool:
 
 @check("engine_threads_and_kv_cache")
 def check_engine_threads_and_kv_cache(objects: list[Obj]) -> list[str]:
-    """What vLLM gets (through mmcpu.launch): OpenMP threads = integer CPU limit - reserved cores;
-    binding "auto" only on a dedicated pool (static CPU manager), else "nobind"; the KV cache (GiB)
-    fitting the memory limit beside the runtime."""
+    """What vLLM gets (through mmcpu.launch): OpenMP threads within the integer CPU limit; no fixed core ids
+    (unknown before scheduling); binding "auto" only on a dedicated pool (static CPU manager); the KV cache
+    (GiB) fitting the memory limit beside the runtime."""
     problems = []
     for obj, pod in pod_specs(objects):
         for c in pod.get("containers") or []:
@@ -536,36 +547,29 @@ def check_engine_threads_and_kv_cache(objects: list[Obj]) -> list[str]:
             limits = (c.get("resources") or {}).get("limits") or {}
             cpus, mem_gib = cpu_cores(limits.get("cpu", 0)), mem_bytes(limits.get("memory", 0)) / 2**30
             try:
-                processes = engine_processes(objects, c)
+                bind = container_settings(container_env(objects, c)).omp_threads_bind
+                processes = engine_processes(objects, c, exclusive=pinned_to_pool(pod))
             except ValidationError as exc:
                 problems.append(f"{where}: invalid MMCPU_ settings: {exc.errors()[0]['msg']}")
                 continue
+            if bind not in ("cpus", "auto", "nobind"):
+                problems.append(f"{where}: MMCPU_OMP_THREADS_BIND={bind!r}: core ids are unknown before scheduling; "
+                                "use cpus (the default: threads from the CPU limit)")
+            elif bind == "auto" and not pinned_to_pool(pod):
+                problems.append(f"{where}: MMCPU_OMP_THREADS_BIND=auto off a dedicated pool: threads would bind to "
+                                "every core of the node under a quota of a few (use the default, cpus)")
+            kv = container_settings(container_env(objects, c)).kvcache_gib
             for _argv, env in processes:
                 try:
-                    reserved = int(env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or "")
                     threads = int(env.get("OMP_NUM_THREADS") or "")
                 except ValueError:
-                    problems.append(f"{where}: OMP_NUM_THREADS and VLLM_CPU_NUM_OF_RESERVED_CPU must be integers")
+                    problems.append(f"{where}: OMP_NUM_THREADS must be an integer (or unset: cpus derives it)")
                 else:
-                    if threads < 1 or threads != cpus - reserved:
-                        problems.append(
-                            f"{where}: OMP_NUM_THREADS={threads} != cpu limit {cpus:g} - reserved {reserved}"
-                        )
-                bind = env.get("VLLM_CPU_OMP_THREADS_BIND")
-                if bind not in ("auto", "nobind"):
-                    problems.append(
-                        f"{where}: VLLM_CPU_OMP_THREADS_BIND={bind!r}: core ids are unknown before scheduling; "
-                        "use auto (static CPU manager pool) or nobind"
-                    )
-                elif bind == "auto" and not pinned_to_pool(pod):
-                    problems.append(
-                        f"{where}: VLLM_CPU_OMP_THREADS_BIND=auto off a dedicated pool: threads would bind to every "
-                        "core of the node under a quota of a few (use nobind, or the cpu-pool overlay)"
-                    )
-                kv = int(env["VLLM_CPU_KVCACHE_SPACE"])
+                    if not 1 <= threads <= math.floor(cpus):
+                        problems.append(f"{where}: OMP_NUM_THREADS={threads} threads on a cpu limit of {cpus:g}")
                 if kv + ENGINE_RUNTIME_GIB + ENGINE_HEADROOM_GIB > mem_gib:
                     problems.append(
-                        f"{where}: KV cache {kv} GiB + runtime {ENGINE_RUNTIME_GIB} GiB + headroom "
+                        f"{where}: KV cache {kv:g} GiB + runtime {ENGINE_RUNTIME_GIB} GiB + headroom "
                         f"{ENGINE_HEADROOM_GIB} GiB exceeds the memory limit {mem_gib:g} GiB"
                     )
     return problems
@@ -637,11 +641,12 @@ def check_engines_on_cpu_pool(objects: list[Obj]) -> list[str]:
         if "kubernetes.io/arch" not in keys:
             problems.append(f"{kn(obj)}: no required node affinity on kubernetes.io/arch")
         try:
-            binds = {env.get("VLLM_CPU_OMP_THREADS_BIND") for _, env in engine_processes(objects, c)}
+            bind = container_settings(container_env(objects, c)).omp_threads_bind
         except ValidationError:
-            binds = set()  # reported by engine_threads_and_kv_cache
-        if binds != {"auto"}:
-            problems.append(f"{kn(obj)}: OpenMP threads not bound to the static CPU manager's cores (auto)")
+            bind = "cpus"  # reported by engine_threads_and_kv_cache
+        if bind not in ("cpus", "auto"):
+            problems.append(f"{kn(obj)}: OpenMP threads not bound to the static CPU manager's cores "
+                            f"(MMCPU_OMP_THREADS_BIND={bind!r}; cpus or auto bind them)")
     return problems
 
 
