@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +122,25 @@ def engine_env(settings: Settings, base: dict[str, str] | None = None, cpus: Cpu
     else:
         env.pop("TRITON_INTERPRET", None)
     return env
+
+
+def cxx_compiler(env: dict[str, str] | None = None) -> str | None:
+    """The C++ compiler torch's inductor would use ($CXX, else g++), if it exists here."""
+    return shutil.which((env if env is not None else os.environ).get("CXX") or "g++")
+
+
+def preflight(settings: Settings, env: dict[str, str] | None = None) -> str | None:
+    """Why this engine cannot start here (one line), or None. Settings that would fail minutes into start-up
+    (inductor compiling during vLLM's profile run) are refused before anything starts."""
+    if cxx_compiler(env):
+        return None
+    if settings.runner == "v1":
+        return ("MMCPU_RUNNER=v1 needs a C++ compiler (V1's CPU sampler is torch.compile'd by inductor) and there "
+                "is none here ($CXX / g++); use the default MMCPU_RUNNER=v2, which runs eager")
+    if settings.compile:
+        return ("MMCPU_COMPILE=1 needs a C++ compiler for inductor and there is none here ($CXX / g++); "
+                "leave it off (eager measured as fast for these models: docs/benchmarks.md)")
+    return None
 
 
 def engine_argv(
@@ -246,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     if args.runner:
         settings = settings.model_copy(update={"runner": args.runner})
+    if reason := preflight(settings):
+        print(f"[mmcpu] refusing to start: {reason}", file=sys.stderr, flush=True)
+        return 2
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     port = args.port
     cmd = engine_argv(args.model, settings, port=port, served_model_name=args.served_model_name, extra=extra)
@@ -265,6 +288,9 @@ def entrypoint(argv: list[str] | None = None) -> int:
     except OSError:
         pass
     settings = get_settings()
+    if args.role != "gateway" and (reason := preflight(settings)):
+        print(f"[mmcpu] {args.role}: refusing to start: {reason}", file=sys.stderr, flush=True)
+        return 2
     ports = {"audio": settings.audio_port, "vision": settings.vision_port}
     return run(role_commands(args.role, settings), args.role, settings, ports)
 

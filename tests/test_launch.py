@@ -163,3 +163,38 @@ def test_engine_gets_kv_cache_bytes_and_the_uniproc_executor():
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     mp = launch.engine_env(Settings(executor="mp"), base={}, cpus=Cpus((0, 1)))
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in mp
+
+
+# --- settings the environment cannot honour are refused at start, in one line --------------------------------
+NO_CXX = {"CXX": "/nonexistent/c++"}
+
+
+@pytest.mark.parametrize("settings, needle", [
+    (Settings(runner="v1"), "MMCPU_RUNNER=v1 needs a C++ compiler"),
+    (Settings(compile=True), "MMCPU_COMPILE=1 needs a C++ compiler"),
+])
+def test_compiler_needing_settings_are_refused_without_one(settings, needle):
+    reason = launch.preflight(settings, NO_CXX)
+    assert reason and needle in reason and "\n" not in reason
+    assert launch.preflight(settings, {"CXX": sys.executable}) is None  # any existing program stands in for one
+    assert launch.preflight(Settings(), NO_CXX) is None  # the default (MRV2, eager) needs none
+
+
+def test_serve_and_entrypoint_refuse_before_starting_anything(monkeypatch, capsys, tmp_path):
+    from mmcpu.config import get_settings
+    started = []
+    monkeypatch.setattr(launch, "run", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.setattr(launch, "ROLE_FILE", tmp_path / "role")
+    monkeypatch.setenv("CXX", NO_CXX["CXX"])
+    get_settings.cache_clear()
+    try:
+        assert launch.main(["--model", "/models/m", "--runner", "v1"]) == 2
+        assert "refusing to start: MMCPU_RUNNER=v1 needs a C++ compiler" in capsys.readouterr().err
+        monkeypatch.setenv("MMCPU_COMPILE", "1")
+        get_settings.cache_clear()
+        assert launch.entrypoint(["vision"]) == 2
+        assert "vision: refusing to start: MMCPU_COMPILE=1 needs" in capsys.readouterr().err
+        assert launch.entrypoint(["gateway"]) == 0  # the gateway compiles nothing
+        assert len(started) == 1
+    finally:
+        get_settings.cache_clear()
