@@ -115,6 +115,28 @@ def make_clips(out_dir: Path) -> list[Clip]:
     return clips
 
 
+def make_long_clips(clips: list[Clip], out_dir: Path, lengths_s: tuple[int, ...] = (60, 300)) -> list[Clip]:
+    """Longer files of the same real speech: the clips end to end with 0.5 s pauses until each length is reached
+    (vLLM splits them into Whisper's 30 s windows, faster-whisper segments them itself)."""
+    import numpy as np
+
+    pieces = [(soundfile.read(str(c.path), dtype="float32")[0], c.text) for c in clips]
+    rate = soundfile.info(str(clips[0].path)).samplerate
+    pause = np.zeros(rate // 2, dtype="float32")
+    out = []
+    for length in lengths_s:
+        audio, words, i = [], [], 0
+        while sum(len(a) for a in audio) < length * rate:
+            samples, text = pieces[i % len(pieces)]
+            audio += [samples, pause]
+            words.append(text)
+            i += 1
+        path = out_dir / f"long{length}.wav"
+        soundfile.write(str(path), np.concatenate(audio), rate, subtype="PCM_16")
+        out.append(Clip(f"long{length}", path, soundfile.info(str(path)).duration, " ".join(words)))
+    return out
+
+
 def requests_for(concurrency: int, clips: list[Clip]) -> list[Clip]:
     """The requests of one audio round, the same for every system, so that every clip (2 s .. 29 s) is heard
     somewhere while MRV2's rounds stay short: c=1 a short, a middle and the longest clip one at a time; c=4
@@ -448,6 +470,30 @@ class CpuWatch:
                 "flagged": foreign > FOREIGN_CORES_LIMIT}
 
 
+def drop_page_cache() -> bool:
+    """Drop the kernel's page cache (root only) so the cold start reads vLLM, torch and the model from disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def compose_serving() -> dict:
+    """`scripts/docker-e2e serving`: compose up -d of the current image -> gateway serving / all engines up."""
+    try:
+        done = subprocess.run([str(REPO_ROOT / "scripts" / "docker-e2e"), "serving"], capture_output=True, text=True,
+                              timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": str(exc)[:300]}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    log(f"compose: {lines[-1]}")
+    return json.loads(lines[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs", help="default: %(default)s")
@@ -576,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         results["clips"] = [{"name": c.name, "seconds": round(c.seconds, 2), "text": c.text} for c in clips]
         ct2 = ct2_model_dir(cache)
         by_level = {c: requests_for(c, clips) for c in levels}
+        long_clips = make_long_clips(clips, cache / "bench" / "clips", (60,) if args.quick else (60, 300))
+        long_rounds: dict[str, dict[str, list[bench.Round]]] = {}
 
         # faster-whisper workers stay up for the whole run (small, idle between rounds).
         fws: dict[str, FasterWhisper] = {}
@@ -598,11 +646,32 @@ def main(argv: list[str] | None = None) -> int:
         audio_rounds: dict[str, dict[int, list[bench.Round]]] = {}
         paired: dict[str, dict[str, dict[int, list[bench.Round]]]] = {}
         mixed_engines: dict[str, Engine] = {}
+
+        # --- start-up of ours: cold (page cache dropped when we may), then the audio phase's start is the warm
+        # (second) one; each with its stage breakdown from the engine's log ---------------------------------
+        def startup(eng: Engine, kind: str, dropped: bool | None = None) -> None:
+            year = dt.datetime.now().year
+            entry = {"ready_s": round(eng.ready_s, 1), "stages": bench.startup_breakdown(
+                eng.log(), eng.started_at, eng.ready_s, year)}
+            if dropped is not None:
+                entry["page_cache_dropped"] = dropped
+            results.setdefault("startup", {})[kind] = entry
+            log(f"{eng.name} {ours} {kind} start: {entry['ready_s']} s = " +
+                ", ".join(f"{k} {v}" for k, v in entry["stages"].items()))
+
+        cold = new_engine("whisper", ours)
+        dropped = drop_page_cache()
+        if start_engine(cold, ours):
+            startup(cold, "cold", dropped)
+            cold.stop()
+
         for key in configs:
             eng = new_engine("whisper", key)
             if not start_engine(eng, key):
                 continue
             results["systems"][key]["ready_s"] = eng.ready_s
+            if key == ours:
+                startup(eng, "warm")
             system = VllmSystem(key, eng.base_url, models["whisper"].name, models["llava"].name)
             warm(key, lambda system=system: system.transcribe(clips[0]))
             phase_levels = slow_levels if key in SLOW else levels
@@ -620,6 +689,11 @@ def main(argv: list[str] | None = None) -> int:
                         audio_rounds.setdefault(who, {}).setdefault(c, []).append(rnd)
                         paired.setdefault(key, {}).setdefault(who, {}).setdefault(c, []).append(rnd)
             if key == ours:
+                # Long files, one at a time: real-time factors of ours and faster-whisper int8, interleaved.
+                for clip in long_clips:
+                    for who in (key, "fw-int8"):
+                        rnd = measured("long", key, who, 1, lambda p=players[who], clip=clip: p.audio_round([clip], 1))
+                        long_rounds.setdefault(who, {}).setdefault(clip.name, []).append(rnd)
                 mixed_engines["whisper"] = eng  # kept for the mixed load, then stopped
             else:
                 eng.stop()
@@ -631,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
                 "wer_n": len(ok),
                 "examples": sorted({(s.ref, s.text) for s in ok})[:6],
             }
+        results["long"] = {who: {name: bench.long_summary(rs) for name, rs in per.items()}
+                           for who, per in long_rounds.items()}
         results["paired"] = {phase: {who: {str(c): bench.merge_rounds(rs) for c, rs in per.items()}
                                      for who, per in systems_.items()} for phase, systems_ in paired.items()}
         for fw in fws.values():
@@ -722,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             results["systems"][ours]["peak_rss_gateway_bytes"] = peak
 
     results["image"] = {"lines": image_size_lines()}
+    results["compose"] = compose_serving()  # after every engine of ours stopped: the stack alone
     results["meta"]["loadavg_end"] = loadavg()
     results["meta"]["elapsed_s"] = time.monotonic() - t_start
     results["meta"]["failed"] = failed
@@ -787,7 +864,11 @@ def render(out_dir: Path, bench_python: Path, results: dict) -> int:
     json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     done = subprocess.run([str(bench_python), str(REPO_ROOT / "scripts" / "bench_peer.py"), "plot", "--json",
                            str(json_path), "--out", str(out_dir / "bench" / "throughput.png")])  # fmt: skip
-    (out_dir / "benchmarks.md").write_text(bench.render_markdown(results))
+    # The measured decisions behind the defaults (placement, executor, KV cache, compile, profiles) are written by
+    # hand in docs/bench/analysis.md and appended, so the report regenerates without losing them.
+    analysis = REPO_ROOT / "docs" / "bench" / "analysis.md"
+    extra = "\n" + analysis.read_text() if analysis.is_file() else ""
+    (out_dir / "benchmarks.md").write_text(bench.render_markdown(results) + extra)
     log(f"wrote {out_dir / 'benchmarks.md'}, {json_path}, {out_dir / 'bench' / 'throughput.png'}")
     for f in results.get("meta", {}).get("failed", []):
         print(f"error: {f}", file=sys.stderr)

@@ -210,3 +210,43 @@ def test_headline_pairs_fw_with_the_same_phase_and_skips_what_was_not_measured()
     assert "mrv2_native/v1@c=8" not in head  # not measured: left out, not invented
     report = bench.render_markdown({"headline": head, "config": {"ours": "mrv2_native"}})
     assert "`mrv2_native/fw_int8@c=1` | 2×" in report
+
+
+def test_startup_breakdown_from_a_vllm_log():
+    import datetime as dt
+
+    log = "\n".join([
+        "[mmcpu] runner=v2 executor=uni kvcache=0.25GiB: python -m vllm.entrypoints.openai.api_server ...",
+        "INFO 12-01 11:05:38 [importing.py:53] Triton is installed but 0 active driver(s) found",
+        "(APIServer pid=22699) INFO 12-01 11:05:40 [api_utils.py:345] version 0.26.0",
+        "(APIServer pid=22699) INFO 12-01 11:05:47 [model.py:623] Resolved architecture: Whisper",
+        "INFO 12-01 11:05:54 [importing.py:53] Triton is installed but 0 active driver(s) found",
+        "W1201 11:05:55.545000 22813 torch/utils/cpp_extension.py:140] No CUDA runtime is found",
+        "(EngineCore pid=22813) INFO 12-01 11:05:56 [core.py:116] Initializing a V1 LLM engine (v0.26.0)",
+        "(EngineCore pid=22813) INFO 12-01 11:05:57 [model_runner.py:284] Loading model from scratch...",
+        "(EngineCore pid=22813) INFO 12-01 11:05:58 [model_runner.py:305] Model loading took 0.13 GiB and 1.4 s",
+        "(EngineCore pid=22813) INFO 12-01 11:06:26 [core.py:347] init engine (profile, create kv cache, warmup "
+        "model) took 28.16 s",
+        "(APIServer pid=22699) INFO 12-01 11:06:28 [api_server.py:681] Starting vLLM server on http://127.0.0.1:1",
+    ])
+    spawned = dt.datetime(2026, 12, 1, 11, 5, 33).timestamp()
+    got = bench.startup_breakdown(log, spawned, ready_s=57.0, year=2026)
+    assert got == {"imports, API server": 7.0, "config + processor, API server": 14.0, "imports, EngineCore": 2.0,
+                   "device + worker init": 1.0, "model load": 1.0, "warm-up + profile + KV cache": 28.0,
+                   "API ready": 4.0}
+    assert sum(got.values()) == 57.0
+    # A log cut short (engine still loading): the stages seen, the rest in "API ready".
+    cut = "\n".join(log.splitlines()[:7])
+    partial = bench.startup_breakdown(cut, spawned, ready_s=30.0, year=2026)
+    assert list(partial) == ["imports, API server", "config + processor, API server", "imports, EngineCore",
+                             "API ready"] and sum(partial.values()) == 30.0
+
+
+def test_long_file_summary_gives_the_real_time_factor_and_wer():
+    rnd = bench.Round(1, 6.0, [bench.Sample(6.0, 60.0, "the cat sat on the mat", None, "audio",
+                                            "the cat sat on a mat")])
+    got = bench.long_summary([rnd])
+    assert got["rtf"] == pytest.approx(0.1) and got["throughput"] == pytest.approx(10.0)
+    assert got["wer"] == pytest.approx(1 / 6)
+    failed = bench.Round(1, 1.0, [bench.Sample(1.0, 60.0, None, "HTTP 500", "audio", "x")])
+    assert bench.long_summary([failed])["rtf"] is None and bench.long_summary([failed])["wer"] is None

@@ -109,6 +109,18 @@ def merge_rounds(rounds: Iterable[Round]) -> dict:
     return summary
 
 
+def long_summary(rounds: Sequence[Round]) -> dict:
+    """Rounds of one long file: the merged figures plus its real-time factor (wall / audio: < 1 = faster than
+    real time) and the word error rate over its transcriptions."""
+    from mmcpu.dev import speech
+
+    merged = merge_rounds(rounds)
+    ok = [x for r in rounds for x in r.samples if x.ok]
+    merged["rtf"] = ratio(1.0, merged["throughput"])
+    merged["wer"] = speech.word_error_rate([x.ref for x in ok], [x.text for x in ok]) if ok else None
+    return merged
+
+
 # --- py-spy profiles -------------------------------------------------------------------------------
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -224,6 +236,49 @@ def profile_summary(text: str, top: int = 12) -> dict:
 # --- the Markdown report ----------------------------------------------------------------------------
 
 
+# --- start-up breakdown from vLLM's log ----------------------------------------------------------------------
+
+# "(EngineCore pid=7) INFO 12-01 11:05:56 [core.py:116] ..." - the prefix is missing before vLLM sets it.
+_STAMP = re.compile(r"^(?:\((?P<proc>\w+) pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) (?P<when>\d\d-\d\d \d\d:\d\d:\d\d) ")
+# (stage, the marker line that ends it); a stage begins where the one before ended.
+STARTUP_STAGES = (
+    ("imports, API server", lambda proc, text: proc == "APIServer"),
+    # The first unprefixed line after that is the EngineCore process importing vLLM: it has been spawned.
+    ("config + processor, API server", lambda proc, text: proc is None),
+    ("imports, EngineCore", lambda proc, text: proc == "EngineCore"),
+    ("device + worker init", lambda proc, text: "Loading model from scratch" in text or "Starting to load model" in text),
+    ("model load", lambda proc, text: "Model loading took" in text),
+    ("warm-up + profile + KV cache", lambda proc, text: "init engine (profile, create kv cache, warmup model)" in text),
+)
+
+
+def startup_breakdown(log: str, started_at: float, ready_s: float, year: int) -> dict[str, float]:
+    """Seconds per start-up stage of one engine, from its log's (second-resolution, local-time) stamps:
+    ``started_at`` = wall clock of the spawn, ``ready_s`` = spawn to /health 200. The last stage, "API ready",
+    runs to ready. Stages whose marker is missing are left out (their time falls into the next one)."""
+    import datetime as dt
+
+    marks: list[tuple[str, float]] = []
+    stages = iter(STARTUP_STAGES)
+    stage = next(stages, None)
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if not m or stage is None:
+            continue
+        name, ends = stage
+        if ends(m["proc"], line):
+            when = dt.datetime.strptime(f"{year}-{m['when']}", "%Y-%m-%d %H:%M:%S").timestamp()
+            marks.append((name, when))
+            stage = next(stages, None)
+    out: dict[str, float] = {}
+    previous = started_at
+    for name, when in marks:
+        out[name] = round(max(0.0, when - previous), 1)
+        previous = max(previous, when)
+    out["API ready"] = round(max(0.0, started_at + ready_s - previous), 1)
+    return out
+
+
 def fmt(value: float | None, digits: int = 2, unit: str = "") -> str:
     if value is None:
         return "n/a"
@@ -302,8 +357,14 @@ def headline(results: dict) -> dict[str, float]:
         out[f"mrv2_native/fw_int8@c={c}"] = ratio(tp(native, "mrv2_native", c), tp(native, "fw-int8", c))
     out["p50_mrv2_native/fw_int8@c=1"] = ratio(tp(native, "mrv2_native", 1, "p50_s"), tp(native, "fw-int8", 1, "p50_s"))
     out["v1/fw_int8@c=8"] = ratio(tp(v1, "v1", 8), tp(v1, "fw-int8", 8))
-    ready = systems.get("mrv2_native", {}).get("ready_s")
+    for who, key in (("mrv2_native", "mrv2_native"), ("fw-int8", "fw_int8")):
+        for name, r in results.get("long", {}).get(who, {}).items():
+            out[f"rtf_{key}@{name}"] = r.get("rtf")
+    start = results.get("startup", {})
+    ready = start.get("cold", {}).get("ready_s") or systems.get("mrv2_native", {}).get("ready_s")
     out["engine_ready_cold_s"] = round(ready, 1) if ready else None
+    out["engine_ready_warm_s"] = start.get("warm", {}).get("ready_s")
+    out["compose_up_to_serving_s"] = results.get("compose", {}).get("compose_up_to_serving_s")
     rss = systems.get("mrv2_native", {}).get("peak_rss_bytes")
     out["engine_peak_rss_gib"] = round(rss / 2**30, 2) if rss else None
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items() if v is not None}
@@ -348,6 +409,19 @@ def summary_bullets(results: dict) -> list[str]:
     starts = [f"{_label(results, k)} {fmt(s_.get('ready_s'), 1)} s" for k, s_ in systems.items() if s_.get("ready_s")]
     if starts:
         out.append("Cold start to ready: " + ", ".join(starts) + ".")
+    long = results.get("long", {})
+    if long:
+        w("## Long files (real-time factor = wall / audio; < 1 is faster than real time)\n")
+        w("The benchmark's speech clips end to end; vLLM splits a file into Whisper's 30 s windows, faster-whisper "
+          "segments it itself. One request at a time, the two systems interleaved.\n")  # fmt: skip
+        w("| system | file | audio s | wall s | real-time factor | WER |")
+        w("|---|---|---|---|---|---|")
+        for who, per in long.items():
+            for name, r in per.items():
+                w(f"| {_label(results, who)} | {name} | {fmt(r['audio_s'], 1)} | {fmt(r['wall_s'], 1)} | "
+                  f"{fmt(r['rtf'], 3)} | {fmt(r['wer'], 3)} |")
+        w("")
+
     mixed = results.get("mixed")
     if mixed:
         t = mixed["total"]
@@ -451,6 +525,31 @@ def render_markdown(results: dict) -> str:
                     w(f"| {kind.replace('img', ' image(s)')} | {level} | {fmt_ratio(ratio(a['rps'], b['rps']))} | "
                       f"{fmt_ratio(ratio(a['p50_s'], b['p50_s']))} |")  # fmt: skip
         w("")
+
+    start = results.get("startup", {})
+    if start:
+        w("## Start-up of " + _label(results, ours) + " (Whisper engine)\n")
+        cold = start.get("cold", {})
+        w("Cold = the first start, with the page cache dropped "
+          + ("(it was)" if cold.get("page_cache_dropped") else "(**it could not be**: not root)")
+          + "; warm = the second start. Stages from the engine log's stamps (1 s resolution; "
+          "`mmcpu.dev.bench.startup_breakdown`).\n")  # fmt: skip
+        kinds = [k for k in ("cold", "warm") if k in start]
+        stages = list(dict.fromkeys(st for k in kinds for st in start[k].get("stages", {})))
+        w("| stage | " + " | ".join(f"{k} (s)" for k in kinds) + " |")
+        w("|---|" + "---|" * len(kinds))
+        for st in stages:
+            w(f"| {st} | " + " | ".join(fmt(start[k]["stages"].get(st), 1) for k in kinds) + " |")
+        w("| **spawn to /health 200** | " + " | ".join(f"**{fmt(start[k].get('ready_s'), 1)}**" for k in kinds) + " |")
+        w("")
+    compose = results.get("compose", {})
+    if compose:
+        if "error" in compose:
+            w(f"Compose start-up not measured: {compose['error']}\n")
+        else:
+            w(f"`docker compose up -d` (the runtime image) to the gateway serving (its `/health` 200, one engine up): "
+              f"**{fmt(compose.get('compose_up_to_serving_s'), 1)} s**; to every engine up: "
+              f"{fmt(compose.get('compose_up_to_all_engines_s'), 1)} s.\n")  # fmt: skip
 
     # systems
     w("## Systems\n")

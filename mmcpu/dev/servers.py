@@ -59,6 +59,7 @@ class Engine:
     served_model_name: str | None = None  # default: the model folder's name (mmcpu-serve's default too)
     proc: subprocess.Popen | None = None
     ready_s: float | None = None
+    started_at: float | None = None  # wall clock (time.time()) of the spawn: vLLM's log stamps are wall clock
 
     @property
     def base_url(self) -> str:
@@ -81,7 +82,7 @@ class Engine:
             cmd += ["--served-model-name", self.served_model_name]
         if self.vllm_args:
             cmd += ["--", *self.vllm_args]
-        t0 = time.monotonic()
+        t0, self.started_at = time.monotonic(), time.time()
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
