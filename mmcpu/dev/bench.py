@@ -409,19 +409,6 @@ def summary_bullets(results: dict) -> list[str]:
     starts = [f"{_label(results, k)} {fmt(s_.get('ready_s'), 1)} s" for k, s_ in systems.items() if s_.get("ready_s")]
     if starts:
         out.append("Cold start to ready: " + ", ".join(starts) + ".")
-    long = results.get("long", {})
-    if long:
-        w("## Long files (real-time factor = wall / audio; < 1 is faster than real time)\n")
-        w("The benchmark's speech clips end to end; vLLM splits a file into Whisper's 30 s windows, faster-whisper "
-          "segments it itself. One request at a time, the two systems interleaved.\n")  # fmt: skip
-        w("| system | file | audio s | wall s | real-time factor | WER |")
-        w("|---|---|---|---|---|---|")
-        for who, per in long.items():
-            for name, r in per.items():
-                w(f"| {_label(results, who)} | {name} | {fmt(r['audio_s'], 1)} | {fmt(r['wall_s'], 1)} | "
-                  f"{fmt(r['rtf'], 3)} | {fmt(r['wer'], 3)} |")
-        w("")
-
     mixed = results.get("mixed")
     if mixed:
         t = mixed["total"]
@@ -603,6 +590,19 @@ def render_markdown(results: dict) -> str:
                     w(f"| {_label(results, key)} | {kind.replace('img', ' image(s)')} | {level} | {r['n']} | "
                       f"{r['failures']} | {fmt(r['rps'], 2)} | {_spread(r, 'rps')} | {fmt(r['p50_s'], 2)} | "
                       f"{fmt(r['p95_s'], 2)} |")  # fmt: skip
+        w("")
+
+    long = results.get("long", {})
+    if long:
+        w("## Long files (real-time factor = wall / audio; < 1 is faster than real time)\n")
+        w("The benchmark's speech clips end to end; vLLM splits a file into Whisper's 30 s windows, faster-whisper "
+          "segments it itself. One request at a time, the two systems interleaved.\n")  # fmt: skip
+        w("| system | file | audio s | wall s | real-time factor | WER |")
+        w("|---|---|---|---|---|---|")
+        for who, per in long.items():
+            for name, r in per.items():
+                w(f"| {_label(results, who)} | {name} | {fmt(r['audio_s'], 1)} | {fmt(r['wall_s'], 1)} | "
+                  f"{fmt(r['rtf'], 3)} | {fmt(r['wer'], 3)} |")
         w("")
 
     mixed = results.get("mixed")
