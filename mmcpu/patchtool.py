@@ -286,10 +286,11 @@ def find_gnu_patch() -> str:
 
 @dataclass
 class Runner:
-    exe: str
+    exe: str | None  # None: found on first use, so `status`/`check` of recorded patches need no GNU patch (image)
     site: Path
 
     def run(self, patch_text: str, *, reverse=False, dry_run=True, fuzz: int | None = 0) -> tuple[bool, str]:
+        self.exe = self.exe or find_gnu_patch()
         cmd = [self.exe, "-p1", "-d", str(self.site), "--batch", "--forward", "--get=0",
                "--no-backup-if-mismatch", "--reject-file=-", "--quoting-style=literal"]
         if fuzz is not None:
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         patches = select(read_series(args.patches), args.only, args.exclude, args.group, args.exclude_group)
         site = check_site(args.site.resolve() if args.site else default_site())
-        runner = Runner(find_gnu_patch(), site)
+        runner = Runner(None, site)
         record = Record(site)
         if args.verbose:
             print(f"vllm-patch: site {site}; patches {args.patches.resolve()}", file=sys.stderr)

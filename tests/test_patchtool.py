@@ -323,6 +323,15 @@ def test_errors(site, tmp_path):
     _one_line_error(r, "GNU patch not found")
     assert not (s / "vllm" / patchtool.RECORD_NAME).exists()
 
+    # Once applied (with GNU patch), status and check read the record: they work without it, as in the image.
+    assert run("apply", "--site", s).returncode == 0
+    for command in ("status", "check"):
+        r = subprocess.run([sys.executable, "-m", "mmcpu.patchtool", command, "--site", str(s)], cwd=REPO_ROOT,
+                           env={"PATH": str(tmp_path / "bin"), "PYTHONPATH": str(REPO_ROOT)},
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert set(states(r.stdout).values()) <= {"applied", "upstream"}, r.stdout
+
 
 def test_default_site_is_the_interpreters(tmp_path):
     """Without --site the wrapper's interpreter's site-packages is used (read-only status here)."""
