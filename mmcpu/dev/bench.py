@@ -459,7 +459,7 @@ def render_markdown(results: dict) -> str:
         w("|---|---|")
         for key, value in head.items():
             shown = fmt(value, 1, " s") if key.endswith("_s") else fmt(value, 2, " GiB") if key.endswith("_gib") \
-                else fmt_ratio(value)
+                else fmt(value, 3) if key.startswith("rtf_") else fmt_ratio(value)
             w(f"| `{key}` | {shown} |")
         w("")
 
