@@ -231,14 +231,14 @@ def test_startup_breakdown_from_a_vllm_log():
     ])
     spawned = dt.datetime(2026, 12, 1, 11, 5, 33).timestamp()
     got = bench.startup_breakdown(log, spawned, ready_s=57.0, year=2026)
-    assert got == {"imports, API server": 7.0, "config + processor, API server": 14.0, "imports, EngineCore": 2.0,
-                   "device + worker init": 1.0, "model load": 1.0, "warm-up + profile + KV cache": 28.0,
-                   "API ready": 4.0}
+    assert got == {"imports, API server": 7.0, "config + tokenizer, API server": 7.0,
+                   "EngineCore spawn + imports": 9.0, "device + worker init": 1.0, "model load": 1.0,
+                   "warm-up + profile + KV cache": 28.0, "API ready": 4.0}
     assert sum(got.values()) == 57.0
     # A log cut short (engine still loading): the stages seen, the rest in "API ready".
     cut = "\n".join(log.splitlines()[:7])
     partial = bench.startup_breakdown(cut, spawned, ready_s=30.0, year=2026)
-    assert list(partial) == ["imports, API server", "config + processor, API server", "imports, EngineCore",
+    assert list(partial) == ["imports, API server", "config + tokenizer, API server", "EngineCore spawn + imports",
                              "API ready"] and sum(partial.values()) == 30.0
 
 

@@ -240,12 +240,13 @@ def profile_summary(text: str, top: int = 12) -> dict:
 
 # "(EngineCore pid=7) INFO 12-01 11:05:56 [core.py:116] ..." - the prefix is missing before vLLM sets it.
 _STAMP = re.compile(r"^(?:\((?P<proc>\w+) pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) (?P<when>\d\d-\d\d \d\d:\d\d:\d\d) ")
-# (stage, the marker line that ends it); a stage begins where the one before ended.
+# (stage, the marker that ends it): a predicate on (process, line), or "api-last" = the API server's last line
+# before the EngineCore process's first (unprefixed) one - there the EngineCore is spawned. A stage begins where
+# the one before ended.
 STARTUP_STAGES = (
     ("imports, API server", lambda proc, text: proc == "APIServer"),
-    # The first unprefixed line after that is the EngineCore process importing vLLM: it has been spawned.
-    ("config + processor, API server", lambda proc, text: proc is None),
-    ("imports, EngineCore", lambda proc, text: proc == "EngineCore"),
+    ("config + tokenizer, API server", "api-last"),
+    ("EngineCore spawn + imports", lambda proc, text: proc == "EngineCore"),
     ("device + worker init", lambda proc, text: "Loading model from scratch" in text or "Starting to load model" in text),
     ("model load", lambda proc, text: "Model loading took" in text),
     ("warm-up + profile + KV cache", lambda proc, text: "init engine (profile, create kv cache, warmup model)" in text),
@@ -258,18 +259,24 @@ def startup_breakdown(log: str, started_at: float, ready_s: float, year: int) ->
     runs to ready. Stages whose marker is missing are left out (their time falls into the next one)."""
     import datetime as dt
 
+    stamped = [(m["proc"], line, dt.datetime.strptime(f"{year}-{m['when']}", "%Y-%m-%d %H:%M:%S").timestamp())
+               for line in log.splitlines() if (m := _STAMP.match(line))]
     marks: list[tuple[str, float]] = []
-    stages = iter(STARTUP_STAGES)
-    stage = next(stages, None)
-    for line in log.splitlines():
-        m = _STAMP.match(line)
-        if not m or stage is None:
-            continue
-        name, ends = stage
-        if ends(m["proc"], line):
-            when = dt.datetime.strptime(f"{year}-{m['when']}", "%Y-%m-%d %H:%M:%S").timestamp()
-            marks.append((name, when))
-            stage = next(stages, None)
+    i = 0
+    for name, ends in STARTUP_STAGES:
+        if ends == "api-last":
+            # The first unprefixed line after the API server began: the EngineCore importing vLLM.
+            j = next((k for k in range(i, len(stamped)) if stamped[k][0] is None), None)
+            last = [k for k in range(i, j if j is not None else 0) if stamped[k][0] == "APIServer"]
+            if not last:
+                continue
+            i = last[-1]
+        else:
+            j = next((k for k in range(i, len(stamped)) if ends(stamped[k][0], stamped[k][1])), None)
+            if j is None:
+                continue
+            i = j
+        marks.append((name, stamped[i][2]))
     out: dict[str, float] = {}
     previous = started_at
     for name, when in marks:
