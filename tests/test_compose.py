@@ -19,9 +19,10 @@ SERVICES = {"audio", "vision", "gateway"}
 # Fixed inside the containers (ports, in-container URLs and paths), so compose must not pass them through.
 CONTAINER_FIXED = {"host", "gateway_port", "audio_port", "vision_port", "engines", "cache_dir",
                    "models_dir"}
-# Measured peaks (docs/docker.md: cgroup max usage / summed RSS over a make e2e run with the fault tests and the
-# mixed load): the default limits must leave room above them, else the kernel OOM-kills an engine under load.
-MEASURED_PEAK_GIB = {"audio": 4.5, "vision": 4.0, "gateway": 0.1}
+# Measured peaks (docs/docker.md: cgroup max usage over a make e2e run with the fault tests, a 5 min clip and the
+# mixed load; uniproc executor, 0.25 GiB KV cache): the default limits must leave room above them, else the kernel
+# OOM-kills an engine under load.
+MEASURED_PEAK_GIB = {"audio": 2.1, "vision": 1.6, "gateway": 0.1}
 UNITS = {"b": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
 
