@@ -541,9 +541,12 @@ def render_markdown(results: dict) -> str:
         if "error" in compose:
             w(f"Compose start-up not measured: {compose['error']}\n")
         else:
+            runs = compose.get("runs_serving_s")
             w(f"`docker compose up -d` (the runtime image) to the gateway serving (its `/health` 200, one engine up): "
               f"**{fmt(compose.get('compose_up_to_serving_s'), 1)} s**; to every engine up: "
-              f"{fmt(compose.get('compose_up_to_all_engines_s'), 1)} s.\n")  # fmt: skip
+              f"{fmt(compose.get('compose_up_to_all_engines_s'), 1)} s"
+              + (f" (runs: {', '.join(fmt(x, 1) for x in runs)} s)" if runs else "")
+              + (f". {compose['note']}" if compose.get("note") else "") + ".\n")  # fmt: skip
 
     # systems
     w("## Systems\n")
