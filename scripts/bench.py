@@ -816,12 +816,13 @@ def main(argv: list[str] | None = None) -> int:
         "notes": [
             "Cold start = process start until the server answers (vLLM: /health 200; faster-whisper: model loaded). "
             "vLLM rows: the Whisper engine; the LLaVA engine's is vision_ready_s in results.json.",
-            "Peak RSS = highest sum of RSS over the process tree, sampled every 0.5 s (vLLM: API server + engine "
-            "core + worker; shared pages count once per process).",
+            "Peak RSS = highest sum of RSS over the process tree, sampled every 0.5 s (vLLM: API server + "
+            "EngineCore with the model runner inside, the uniproc executor; shared pages count once per process).",
             f"vLLM engines started with `{args.engine_args or '(no extra arguments)'}` on top of the project's "
-            "launcher defaults (mmcpu.launch: --enforce-eager, VLLM_CPU_KVCACHE_SPACE=1).",
-            "CPU placement: vLLM's CPU backend binds its OpenMP compute threads (VLLM_CPU_OMP_THREADS_BIND, the "
-            "project default `auto`); measured affinity of each engine's worker threads (CPU list: threads): "
+            "launcher defaults (mmcpu.launch: --enforce-eager, --kv-cache-memory-bytes of 0.25 GiB, "
+            "--distributed-executor-backend uni).",
+            "CPU placement: the launcher's default MMCPU_OMP_THREADS_BIND=cpus gives vLLM one OpenMP thread per CPU "
+            "of the engine (here both); measured affinity of each engine's model-runner threads (CPU list: threads): "
             f"{results['meta'].get('worker_cpus', {})}. faster-whisper: cpu_threads = max(1, CPUs // concurrency) "
             f"on all CPUs: {fw_threads}.",
         ],
