@@ -198,3 +198,13 @@ def test_serve_and_entrypoint_refuse_before_starting_anything(monkeypatch, capsy
         assert len(started) == 1
     finally:
         get_settings.cache_clear()
+
+
+def test_audio_engine_computes_in_float32_unless_told_otherwise():
+    def dtype(argv):  # vLLM's argparse: the last occurrence wins
+        return argv[len(argv) - 1 - argv[::-1].index("--dtype") + 1]
+    [(_, audio, _)] = launch.role_commands("audio", Settings(), cpus=Cpus((0, 1)))
+    [(_, vision, _)] = launch.role_commands("vision", Settings(), cpus=Cpus((0, 1)))
+    assert (dtype(audio), dtype(vision)) == ("float32", "auto")
+    [(_, real, _)] = launch.role_commands("audio", Settings(audio_args="--dtype bfloat16"), cpus=Cpus((0, 1)))
+    assert dtype(real) == "bfloat16"
