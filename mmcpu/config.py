@@ -20,9 +20,9 @@ IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file()
 # different images per request and the hard-input catalogue one more than the limit.
 IMAGE_LIMIT = 4
 VISION_LIMIT_ARGS = ["--limit-mm-per-prompt", json.dumps({"image": IMAGE_LIMIT}, separators=(",", ":"))]
-# The audio engine computes in float32, Whisper's checkpoint dtype: measured against bf16 (vLLM's "auto" downcast)
-# on 2 CPUs, +18 % throughput at c=4, +35 % at c=8 and a lower p50 at c=1 - the tiny model's GEMMs are too small
-# for bf16/AMX to pay for its conversions (docs/bench/analysis.md). Real models: MMCPU_AUDIO_ARGS="--dtype bfloat16".
+# The audio engine computes in float32, Whisper's checkpoint dtype: against bf16 (vLLM's "auto" downcast), 4 runs
+# each on 2 CPUs: +16 % throughput at c=8, a ~15 % lower p50 at c=1, level at c=1/c=4 - the tiny model's GEMMs are
+# too small for bf16/AMX to pay for its conversions (docs/bench/analysis.md). Real models: "--dtype bfloat16".
 AUDIO_ARGS = ["--dtype", "float32"]
 
 
