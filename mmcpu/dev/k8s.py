@@ -69,7 +69,7 @@ MIN_DRAIN_S = 60  # least time an engine gets to finish in-flight requests after
 # After the drain: mmcpu-entrypoint kills a child still running drain + STARTUP_GRACE_S after SIGTERM;
 # the kubelet must not SIGKILL the pod before that.
 EXIT_MARGIN_S = max(10, getattr(launch, "STARTUP_GRACE_S", 0))
-# Measured 2.1 GiB cgroup peak for a tiny-model engine under load (uniproc executor, docs/docker.md): 2.5 GiB
+# Measured 2.2 GiB cgroup peak for a tiny-model engine under load (uniproc executor, docs/docker.md): 2.5 GiB
 # besides the KV cache, plus 1 GiB for /dev/shm and request buffers.
 ENGINE_RUNTIME_GIB = 2.5
 NODE_CPUS = 64  # a node bigger than any pod here: off the pool a pod's cpuset is the whole node
