@@ -547,18 +547,18 @@ def check_engine_threads_and_kv_cache(objects: list[Obj]) -> list[str]:
             limits = (c.get("resources") or {}).get("limits") or {}
             cpus, mem_gib = cpu_cores(limits.get("cpu", 0)), mem_bytes(limits.get("memory", 0)) / 2**30
             try:
-                bind = container_settings(container_env(objects, c)).omp_threads_bind
+                settings = container_settings(container_env(objects, c))
                 processes = engine_processes(objects, c, exclusive=pinned_to_pool(pod))
             except ValidationError as exc:
                 problems.append(f"{where}: invalid MMCPU_ settings: {exc.errors()[0]['msg']}")
                 continue
+            bind, kv = settings.omp_threads_bind, settings.kvcache_gib
             if bind not in ("cpus", "auto", "nobind"):
                 problems.append(f"{where}: MMCPU_OMP_THREADS_BIND={bind!r}: core ids are unknown before scheduling; "
                                 "use cpus (the default: threads from the CPU limit)")
             elif bind == "auto" and not pinned_to_pool(pod):
                 problems.append(f"{where}: MMCPU_OMP_THREADS_BIND=auto off a dedicated pool: threads would bind to "
                                 "every core of the node under a quota of a few (use the default, cpus)")
-            kv = container_settings(container_env(objects, c)).kvcache_gib
             for _argv, env in processes:
                 try:
                     threads = int(env.get("OMP_NUM_THREADS") or "")
@@ -567,11 +567,11 @@ def check_engine_threads_and_kv_cache(objects: list[Obj]) -> list[str]:
                 else:
                     if not 1 <= threads <= math.floor(cpus):
                         problems.append(f"{where}: OMP_NUM_THREADS={threads} threads on a cpu limit of {cpus:g}")
-                if kv + ENGINE_RUNTIME_GIB + ENGINE_HEADROOM_GIB > mem_gib:
-                    problems.append(
-                        f"{where}: KV cache {kv:g} GiB + runtime {ENGINE_RUNTIME_GIB} GiB + headroom "
-                        f"{ENGINE_HEADROOM_GIB} GiB exceeds the memory limit {mem_gib:g} GiB"
-                    )
+            if kv + ENGINE_RUNTIME_GIB + ENGINE_HEADROOM_GIB > mem_gib:
+                problems.append(
+                    f"{where}: KV cache {kv:g} GiB + runtime {ENGINE_RUNTIME_GIB} GiB + headroom "
+                    f"{ENGINE_HEADROOM_GIB} GiB exceeds the memory limit {mem_gib:g} GiB"
+                )
     return problems
 
 
