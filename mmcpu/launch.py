@@ -270,12 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[mmcpu] refusing to start: {reason}", file=sys.stderr, flush=True)
         return 2
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    port = args.port
-    cmd = engine_argv(args.model, settings, port=port, served_model_name=args.served_model_name, extra=extra)
+    cmd = engine_argv(args.model, settings, port=args.port, served_model_name=args.served_model_name, extra=extra)
     print(f"[mmcpu] runner={settings.runner} executor={settings.executor} kvcache={settings.kvcache_gib:g}GiB: "
           f"{shlex.join(cmd)}",
           file=sys.stderr, flush=True)
-    return run([("engine", cmd, engine_env(settings))], "engine", settings, {"engine": port})
+    return run([("engine", cmd, engine_env(settings))], "engine", settings, {"engine": args.port})
 
 
 def entrypoint(argv: list[str] | None = None) -> int:

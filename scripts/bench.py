@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import openai
 import psutil
 import soundfile
@@ -72,7 +73,6 @@ CONFIGS = {
 }
 SLOW = {"mrv2_interpreter"}  # seconds per request: one round, at --slow-levels only
 FOREIGN_CORES_LIMIT = 0.25  # a round during which other processes used more cores than this is flagged
-VISION_ARGS = VISION_LIMIT_ARGS
 LOG = print  # progress lines; flushed (make shows them live)
 
 
@@ -118,8 +118,6 @@ def make_clips(out_dir: Path) -> list[Clip]:
 def make_long_clips(clips: list[Clip], out_dir: Path, lengths_s: tuple[int, ...] = (60, 300)) -> list[Clip]:
     """Longer files of the same real speech: the clips end to end with 0.5 s pauses until each length is reached
     (vLLM splits them into Whisper's 30 s windows, faster-whisper segments them itself)."""
-    import numpy as np
-
     pieces = [(soundfile.read(str(c.path), dtype="float32")[0], c.text) for c in clips]
     rate = soundfile.info(str(clips[0].path)).samplerate
     pause = np.zeros(rate // 2, dtype="float32")
@@ -565,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = shlex.split(args.engine_args)
 
     def new_engine(model: str, key: str) -> Engine:
-        vargs = (VISION_ARGS if model == "llava" else AUDIO_ARGS) + extra  # what the container roles pass
+        vargs = (VISION_LIMIT_ARGS if model == "llava" else AUDIO_ARGS) + extra  # what the container roles pass
         kernels = CONFIGS[key]["kernels"]
         eng = Engine(models[model], logs / f"{model}-{key}.log", runner=CONFIGS[key]["runner"], vllm_args=vargs,
                      env={"MMCPU_KERNELS": kernels} if kernels else {})
@@ -819,8 +817,8 @@ def main(argv: list[str] | None = None) -> int:
             "Peak RSS = highest sum of RSS over the process tree, sampled every 0.5 s (vLLM: API server + "
             "EngineCore with the model runner inside, the uniproc executor; shared pages count once per process).",
             f"vLLM engines started with `{args.engine_args or '(no extra arguments)'}` on top of the project's "
-            "launcher defaults (mmcpu.launch: --enforce-eager, --kv-cache-memory-bytes of 0.25 GiB, "
-            "--distributed-executor-backend uni).",
+            f"launcher defaults (mmcpu.launch: --enforce-eager, --kv-cache-memory-bytes of {settings.kvcache_gib:g} "
+            f"GiB, --distributed-executor-backend {settings.executor}).",
             "CPU placement: the launcher's default MMCPU_OMP_THREADS_BIND=cpus gives vLLM one OpenMP thread per CPU "
             "of the engine (here both); measured affinity of each engine's model-runner threads (CPU list: threads): "
             f"{results['meta'].get('worker_cpus', {})}. faster-whisper: cpu_threads = max(1, CPUs // concurrency) "

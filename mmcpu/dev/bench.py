@@ -5,6 +5,7 @@ summaries and the Markdown report. Pure functions over plain data, so they are u
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import re
 import sys
@@ -257,8 +258,6 @@ def startup_breakdown(log: str, started_at: float, ready_s: float, year: int) ->
     """Seconds per start-up stage of one engine, from its log's (second-resolution, local-time) stamps:
     ``started_at`` = wall clock of the spawn, ``ready_s`` = spawn to /health 200. The last stage, "API ready",
     runs to ready. Stages whose marker is missing are left out (their time falls into the next one)."""
-    import datetime as dt
-
     stamped = [(m["proc"], line, dt.datetime.strptime(f"{year}-{m['when']}", "%Y-%m-%d %H:%M:%S").timestamp())
                for line in log.splitlines() if (m := _STAMP.match(line))]
     marks: list[tuple[str, float]] = []
