@@ -20,10 +20,11 @@ IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file()
 # different images per request and the hard-input catalogue one more than the limit.
 IMAGE_LIMIT = 4
 VISION_LIMIT_ARGS = ["--limit-mm-per-prompt", json.dumps({"image": IMAGE_LIMIT}, separators=(",", ":"))]
-# The audio engine computes in float32, Whisper's checkpoint dtype: against bf16 (vLLM's "auto" downcast), 4 runs
-# each on 2 CPUs: +16 % throughput at c=8, a ~15 % lower p50 at c=1, level at c=1/c=4 - the tiny model's GEMMs are
-# too small for bf16/AMX to pay for its conversions (docs/bench/analysis.md). Real models: "--dtype bfloat16".
-AUDIO_ARGS = ["--dtype", "float32"]
+# Each engine role's --dtype when MMCPU_DTYPE is unset. Audio: float32, Whisper's checkpoint dtype - against bf16
+# (vLLM's "auto" downcast), 4 runs each on 2 CPUs: +16 % throughput at c=8, a ~15 % lower p50 at c=1, level at
+# c=1/c=4; the tiny model's GEMMs are too small for bf16/AMX to pay for its conversions (docs/bench/analysis.md).
+# Vision: "auto" (no difference measured). Real models: MMCPU_DTYPE=bfloat16.
+ROLE_DTYPES = {"audio": "float32", "vision": "auto"}
 
 
 class Settings(BaseSettings):
@@ -67,7 +68,10 @@ class Settings(BaseSettings):
         "the interpreter per kernel when its guard does not match; 'interpreter' = all in Triton's interpreter",
     )
     max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
-    dtype: str = Field("auto", description="--dtype for vLLM")
+    dtype: str | None = Field(
+        None, description="vLLM --dtype of every engine; unset = the role's default (ROLE_DTYPES: audio float32, "
+        "vision and mmcpu-serve auto)"
+    )
     compile: bool = Field(
         False,
         description="torch.compile the model (inductor). Off = --enforce-eager: inductor's C++ build adds minutes "
@@ -80,9 +84,7 @@ class Settings(BaseSettings):
     audio_port: int = 8001
     vision_model: str = Field("/models/tiny-llava", description="model served by the vision engine")
     vision_port: int = 8002
-    audio_args: str = Field(
-        shlex.join(AUDIO_ARGS), description="extra vLLM arguments of the audio engine, shell-split"
-    )
+    audio_args: str = Field("", description="extra vLLM arguments of the audio engine, shell-split")
     vision_args: str = Field(
         shlex.join(VISION_LIMIT_ARGS), description="extra vLLM arguments of the vision engine, shell-split"
     )

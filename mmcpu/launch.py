@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmcpu.config import Settings, get_settings
+from mmcpu.config import ROLE_DTYPES, Settings, get_settings
 from mmcpu.proc import exit_status, kill_tree, listening
 
 ROLES = ("audio", "vision", "gateway", "all")
@@ -150,14 +150,16 @@ def engine_argv(
     port: int,
     served_model_name: str | None = None,
     extra: list[str] | None = None,
+    dtype: str = "auto",
 ) -> list[str]:
+    """vLLM's command line; ``dtype`` is the role's default, MMCPU_DTYPE overrides it."""
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
         "--served-model-name", served_model_name or served_name(model),
         "--host", settings.host,
         "--port", str(port),
-        "--dtype", settings.dtype,
+        "--dtype", settings.dtype or dtype,
         "--kv-cache-memory-bytes", str(int(settings.kvcache_gib * 2**30)),
         "--distributed-executor-backend", settings.executor,
     ]  # fmt: skip
@@ -178,9 +180,11 @@ def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None 
     cpus = cpus or Cpus.current()
     audio_cpus, vision_cpus = cpus.split(2) if role == "all" else (cpus, cpus)
     audio = ("audio", engine_argv(settings.audio_model, settings, port=settings.audio_port,
-                                  extra=shlex.split(settings.audio_args)), engine_env(settings, base, audio_cpus))
+                                  extra=shlex.split(settings.audio_args), dtype=ROLE_DTYPES["audio"]),
+             engine_env(settings, base, audio_cpus))
     vision = ("vision", engine_argv(settings.vision_model, settings, port=settings.vision_port,
-                                    extra=shlex.split(settings.vision_args)), engine_env(settings, base, vision_cpus))
+                                    extra=shlex.split(settings.vision_args), dtype=ROLE_DTYPES["vision"]),
+              engine_env(settings, base, vision_cpus))
     gateway = ("gateway", [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
                dict(os.environ if base is None else base))
     return {"audio": [audio], "vision": [vision], "gateway": [gateway], "all": [audio, vision, gateway]}[role]

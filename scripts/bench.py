@@ -44,7 +44,7 @@ import psutil
 import soundfile
 
 from mmcpu.dev import bench, speech
-from mmcpu.config import AUDIO_ARGS, REPO_ROOT, VISION_LIMIT_ARGS, get_settings
+from mmcpu.config import REPO_ROOT, ROLE_DTYPES, VISION_LIMIT_ARGS, get_settings
 from mmcpu.dev.fixtures import whisper_ct2
 from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu.dev.servers import Engine, free_port, wait_until_ok
@@ -563,7 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = shlex.split(args.engine_args)
 
     def new_engine(model: str, key: str) -> Engine:
-        vargs = (VISION_LIMIT_ARGS if model == "llava" else AUDIO_ARGS) + extra  # what the container roles pass
+        # What the container roles pass (mmcpu-serve has no role; an --engine-args --dtype still wins).
+        role = "vision" if model == "llava" else "audio"
+        vargs = [*(VISION_LIMIT_ARGS if role == "vision" else []), "--dtype", settings.dtype or ROLE_DTYPES[role],
+                 *extra]
         kernels = CONFIGS[key]["kernels"]
         eng = Engine(models[model], logs / f"{model}-{key}.log", runner=CONFIGS[key]["runner"], vllm_args=vargs,
                      env={"MMCPU_KERNELS": kernels} if kernels else {})

@@ -208,3 +208,7 @@ def test_audio_engine_computes_in_float32_unless_told_otherwise():
     assert (dtype(audio), dtype(vision)) == ("float32", "auto")
     [(_, real, _)] = launch.role_commands("audio", Settings(audio_args="--dtype bfloat16"), cpus=Cpus((0, 1)))
     assert dtype(real) == "bfloat16"
+    # MMCPU_DTYPE is every engine's, the roles' defaults included.
+    both = launch.role_commands("all", Settings(dtype="bfloat16"), cpus=Cpus((0, 1)))
+    assert [dtype(argv) for name, argv, _ in both if name != "gateway"] == ["bfloat16", "bfloat16"]
+    assert dtype(launch.engine_argv("/models/m", Settings(), port=8001)) == "auto"  # mmcpu-serve: no role
