@@ -67,6 +67,10 @@ class Settings(BaseSettings):
         description="MRV2's Triton kernels: 'native' = torch implementations (mmcpu.kernels), falling back to "
         "the interpreter per kernel when its guard does not match; 'interpreter' = all in Triton's interpreter",
     )
+    kernel_stats: Path | None = Field(
+        None, description="file where an MRV2 engine keeps its kernel launch counts (JSON: native / interpreted "
+        "per kernel, rewritten every second); unset = the launcher's /tmp/mmcpu-kernels-PORT.json"
+    )
     max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
     dtype: str | None = Field(
         None, description="vLLM --dtype of every engine; unset = the role's default (ROLE_DTYPES: audio float32, "

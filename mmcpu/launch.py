@@ -18,10 +18,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmcpu import cpu
 from mmcpu.config import ROLE_DTYPES, Settings, get_settings
 from mmcpu.proc import exit_status, kill_tree, listening
 
@@ -104,9 +106,17 @@ def placement(settings: Settings, cpus: Cpus) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
 
 
-def engine_env(settings: Settings, base: dict[str, str] | None = None, cpus: Cpus | None = None) -> dict[str, str]:
-    """Environment for one vLLM CPU engine computing on ``cpus`` (default: this process's)."""
+def kernel_stats_path(settings: Settings, port: int) -> Path:
+    """Where the engine on ``port`` keeps its MRV2 kernel launch counts (``MMCPU_KERNEL_STATS``, else per port)."""
+    return settings.kernel_stats or Path(tempfile.gettempdir()) / f"mmcpu-kernels-{port}.json"
+
+
+def engine_env(settings: Settings, base: dict[str, str] | None = None, cpus: Cpus | None = None,
+               port: int | None = None) -> dict[str, str]:
+    """Environment for one vLLM CPU engine computing on ``cpus`` (default: this process's), serving ``port``."""
     env = dict(os.environ if base is None else base)
+    if port is not None:
+        env["MMCPU_KERNEL_STATS"] = str(kernel_stats_path(settings, port))
     # The KV cache size goes as --kv-cache-memory-bytes (engine_argv); this legacy variable would override it.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(placement(settings, cpus or Cpus.current()))
@@ -181,10 +191,10 @@ def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None 
     audio_cpus, vision_cpus = cpus.split(2) if role == "all" else (cpus, cpus)
     audio = ("audio", engine_argv(settings.audio_model, settings, port=settings.audio_port,
                                   extra=shlex.split(settings.audio_args), dtype=ROLE_DTYPES["audio"]),
-             engine_env(settings, base, audio_cpus))
+             engine_env(settings, base, audio_cpus, settings.audio_port))
     vision = ("vision", engine_argv(settings.vision_model, settings, port=settings.vision_port,
                                     extra=shlex.split(settings.vision_args), dtype=ROLE_DTYPES["vision"]),
-              engine_env(settings, base, vision_cpus))
+              engine_env(settings, base, vision_cpus, settings.vision_port))
     gateway = ("gateway", [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
                dict(os.environ if base is None else base))
     return {"audio": [audio], "vision": [vision], "gateway": [gateway], "all": [audio, vision, gateway]}[role]
@@ -258,6 +268,12 @@ def run(commands: list[tuple[str, list[str], dict[str, str]]], role: str = "engi
     return supervise(commands, role, drain_s=settings.drain_s, ports=ports)
 
 
+def log_cpu(role: str) -> None:
+    """Every figure depends on the CPU, and machines of one kind differ: say which one this is. (The engine's
+    own log adds which ``_C`` build vLLM loaded: mmcpu.kernels.dispatch.install.)"""
+    print(f"[mmcpu] {role}: CPU {cpu.current().line()}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``mmcpu-serve``: one vLLM engine for one model."""
     parser = argparse.ArgumentParser(prog="mmcpu-serve", description=__doc__.split("\n\n")[0])
@@ -278,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[mmcpu] runner={settings.runner} executor={settings.executor} kvcache={settings.kvcache_gib:g}GiB: "
           f"{shlex.join(cmd)}",
           file=sys.stderr, flush=True)
-    return run([("engine", cmd, engine_env(settings))], "engine", settings, {"engine": args.port})
+    log_cpu("engine")
+    return run([("engine", cmd, engine_env(settings, port=args.port))], "engine", settings, {"engine": args.port})
 
 
 def entrypoint(argv: list[str] | None = None) -> int:
@@ -295,6 +312,7 @@ def entrypoint(argv: list[str] | None = None) -> int:
         print(f"[mmcpu] {args.role}: refusing to start: {reason}", file=sys.stderr, flush=True)
         return 2
     ports = {"audio": settings.audio_port, "vision": settings.vision_port}
+    log_cpu(args.role)
     return run(role_commands(args.role, settings), args.role, settings, ports)
 
 

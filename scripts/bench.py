@@ -44,6 +44,7 @@ import psutil
 import soundfile
 
 from mmcpu.dev import bench, speech
+from mmcpu import cpu
 from mmcpu.config import REPO_ROOT, ROLE_DTYPES, VISION_LIMIT_ARGS, get_settings
 from mmcpu.dev.fixtures import whisper_ct2
 from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
@@ -549,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.monotonic()
     results: dict = {
+        "cpu": {**cpu.current().as_dict(), "vllm_c": vllm_c_variant()},
         "meta": {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "cpus": len(os.sched_getaffinity(0)), "mem_bytes": psutil.virtual_memory().total,
                  "loadavg_start": loadavg(), "versions": versions(), "host": platform.node(),
@@ -857,6 +859,14 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }  # fmt: skip
     return render(args.out, bench_python, results) or (1 if failed else 0)
+
+
+def vllm_c_variant() -> list[str]:
+    """Which ``_C`` build vLLM loads on this CPU, asked of a fresh interpreter (this one must not load vLLM)."""
+    code = "import json, vllm._custom_ops; from mmcpu import cpu; print(json.dumps(cpu.loaded_vllm_c()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if done.returncode == 0 and lines else []
 
 
 def render(out_dir: Path, bench_python: Path, results: dict) -> int:

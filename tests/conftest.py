@@ -16,7 +16,7 @@ import pytest
 
 from mmcpu.dev import speech, wheels
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings
-from mmcpu.dev.servers import Engine
+from mmcpu.dev.servers import Engine, assert_native_then_stop
 
 SETTINGS = get_settings()
 VLLM_VERSION = "0.26.0"
@@ -60,13 +60,6 @@ def patched_vllm() -> Path:
     return site
 
 
-def assert_no_interpreted_launches(engine: Engine) -> None:
-    """At shutdown the worker logs its launch counts (patches/0008): a whole session's traffic, all native."""
-    lines = [line for line in engine.log().splitlines() if "MRV2 kernel launches:" in line and "at shutdown" in line]
-    assert lines, f"no shutdown launch count in {engine.log_path}"
-    assert ", 0 interpreted" in lines[-1], lines[-1]
-
-
 def _engine(model: Path, logs_dir: Path, tag: str, **kwargs) -> Engine:
     return Engine(model=model, log_path=logs_dir / f"{model.name}-{tag}.log", **kwargs)
 
@@ -76,8 +69,7 @@ def whisper_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
     engine = _engine(whisper_model, logs_dir, "mrv2-patched").start()
     print(f"\n[whisper MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
-    engine.stop()
-    assert_no_interpreted_launches(engine)
+    assert_native_then_stop(engine)
 
 
 @pytest.fixture(scope="session")
@@ -85,10 +77,7 @@ def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
     engine = _engine(llava_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
     print(f"\n[llava MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
-    engine.stop()
-    assert_no_interpreted_launches(engine)
-
-
+    assert_native_then_stop(engine)
 
 
 @pytest.fixture(scope="session")

@@ -448,6 +448,11 @@ def render_markdown(results: dict) -> str:
       f"Total run time {fmt(meta.get('elapsed_s'), 0)} s.\n")  # fmt: skip
     rounds = results.get("rounds", [])
     flagged = [r for r in rounds if r.get("flagged")]
+    cpu = results.get("cpu") or {}
+    w(f"CPU: **{cpu.get('model', 'not recorded')}** ({cpu.get('vendor', '?')} family {cpu.get('family', '?')}), "
+      f"ISA class `{cpu.get('isa', '?')}`, flags {' '.join(cpu.get('flags', [])) or '?'}; vLLM's native ops: "
+      f"{', '.join(cpu.get('vllm_c', [])) or '?'}. Figures from another CPU do not carry over (FACTS: bf16 has "
+      "no hardware support on AVX2-only CPUs).\n")
     w(f"Machine: {meta.get('cpus', '?')} CPUs, {fmt(gib(meta.get('mem_bytes')), 0)} GiB, no GPU; load average "
       f"{meta.get('loadavg_start', '?')} at the start, {meta.get('loadavg_end', '?')} at the end. Each vLLM "
       "configuration ran alone (no other vLLM engine resident); faster-whisper's rounds were interleaved with "

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import httpx
 import openai
 import uvicorn
 
+from mmcpu.kernels import dispatch
 from mmcpu.proc import stop_group, tree_rss
 
 MRV2_LOG_LINE = "Using V2 Model Runner"
@@ -72,8 +74,31 @@ class Engine:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    @property
+    def kernel_stats_path(self) -> Path:
+        """The engine's MRV2 kernel launch counts (MMCPU_KERNEL_STATS), beside its log."""
+        return self.log_path.with_name(self.log_path.stem + ".kernels.json")
+
+    def kernel_counts(self, timeout_s: float = 60) -> KernelCounts:
+        """Launch counts that include every launch made before this call: waits (bounded) for a snapshot the
+        engine wrote after the call began. Requests whose responses came back before it are all in it."""
+        since = time.time()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            snap = dispatch.read_snapshot(self.kernel_stats_path)
+            if snap is not None and snap["time"] >= since:
+                return KernelCounts(Counter(snap["native"]), Counter(snap["interpreted"]), snap["time"])
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"engine for {self.model} is not running (log: {self.log_path})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no kernel launch counts newer than {timeout_s:.0f}s in {self.kernel_stats_path}"
+                                   f" (log: {self.log_path})")
+            time.sleep(0.2)
+
     def start(self, timeout_s: float = 900) -> Engine:
-        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_RUNNER=self.runner, HF_HUB_OFFLINE="1", **self.env)
+        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_RUNNER=self.runner, HF_HUB_OFFLINE="1",
+                   MMCPU_KERNEL_STATS=str(self.kernel_stats_path), **self.env)
+        self.kernel_stats_path.unlink(missing_ok=True)  # a previous run's counts must not stand in for these
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.pythonpath), env.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +143,28 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class KernelCounts:
+    """One snapshot of an engine's MRV2 kernel launches, per kernel (mmcpu.kernels.dispatch.StatsWriter)."""
+
+    native: Counter
+    interpreted: Counter
+    time: float  # wall clock when the engine took it
+
+
+def assert_native_then_stop(engine: Engine) -> KernelCounts:
+    """A test session's end: every MRV2 kernel launch the engine made, warm-up and all the session's traffic, ran
+    natively (none in Triton's interpreter); then stop it. Read from the engine while it runs, so vLLM's shutdown
+    order cannot lose it."""
+    try:
+        counts = engine.kernel_counts()
+    finally:
+        engine.stop()
+    assert sum(counts.native.values()) > 0, f"no native launch counted ({engine.kernel_stats_path})"
+    assert not counts.interpreted, f"launches in Triton's interpreter: {dict(counts.interpreted)} ({engine.log_path})"
+    return counts
 
 
 class ServedApp:

@@ -16,11 +16,16 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import json
 import logging
+import os
 import textwrap
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # A child of vLLM's logger, so these lines land in the engine log with vLLM's format and level.
@@ -127,11 +132,56 @@ class Stats:
             text += " (" + ", ".join(f"{k} x{v}" for k, v in self.interpreter.most_common()) + ")"
         return text
 
+    def snapshot(self) -> dict[str, Any]:
+        # dict(Counter) is one C-level copy under the GIL: safe against the launch path's increments.
+        return {"pid": os.getpid(), "time": time.time(), "mode": _mode,
+                "native": dict(self.native), "interpreted": dict(self.interpreter)}
+
+
+def write_snapshot(path: Path) -> None:
+    """Write STATS to ``path`` as JSON, atomically (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(STATS.snapshot()))
+    os.replace(tmp, path)
+
+
+def read_snapshot(path: Path) -> dict[str, Any] | None:
+    """The last snapshot an engine wrote to ``path``, or None if there is none yet."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class StatsWriter(threading.Thread):
+    """Rewrites the launch counts to a file every ``interval`` seconds while the engine lives.
+
+    Why a file and a heartbeat rather than a line at shutdown: vLLM's shutdown order (API server, EngineCore,
+    worker, all signalled at once) decides whether a worker's shutdown hook still logs, and on some machines it
+    does not. A snapshot whose ``time`` is later than a moment proves every launch before that moment was
+    counted in it, whatever happens at shutdown."""
+
+    def __init__(self, path: Path, interval: float = 1.0) -> None:
+        super().__init__(name="mmcpu-kernel-stats", daemon=True)
+        self.path, self.interval = path, interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            try:
+                write_snapshot(self.path)
+            except OSError as exc:  # e.g. a read-only or full /tmp: say so once, keep serving
+                logger.warning("MRV2 kernel launch counts not written to %s: %s", self.path, exc)
+                return
+            if self.stopped.wait(self.interval):
+                return
+
 
 STATS = Stats()
 _decisions: dict[Any, NativeKernel | None] = {}  # kernel fn object -> its native impl, or None = interpreter
 _original_run: Callable[..., Any] | None = None
 _mode: str | None = None
+_writer: StatsWriter | None = None
 
 
 def guard(fn: Callable[..., Any], arg_names: list[str]) -> tuple[NativeKernel | None, str]:
@@ -155,8 +205,9 @@ def _decide(kernel: Any) -> NativeKernel | None:
     if fn in _decisions:
         return _decisions[fn]
     entry, why = guard(fn, kernel.arg_names) if _mode == "native" else (None, "MMCPU_KERNELS=interpreter")
-    if entry is None and _mode == "native" and (fn.__module__, fn.__name__) in REGISTRY:
-        # A kernel we know, but whose code moved under us: never run stale native code.
+    if entry is None and _mode == "native":
+        # Said at once, at the first launch: a kernel we know whose code moved under us (never run stale native
+        # code), or one with no native version. Either is slow, and sampling may fail in the interpreter.
         logger.warning("Triton kernel %s.%s runs in the interpreter: %s", fn.__module__, fn.__name__, why)
     _decisions[fn] = entry
     return entry
@@ -192,9 +243,10 @@ def interpret(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
     return run(kernel, *args, grid=grid, warmup=False, **kwargs)
 
 
-def install(mode: str = "native") -> bool:
-    """Route Triton interpreter launches through the native registry. Idempotent; True if installed."""
-    global _original_run, _mode
+def install(mode: str = "native", stats_path: Path | None = None) -> bool:
+    """Route Triton interpreter launches through the native registry. Idempotent; True if installed.
+    With ``stats_path``, the launch counts are also kept in that file (:class:`StatsWriter`)."""
+    global _original_run, _mode, _writer
     if mode not in ("native", "interpreter"):
         raise ValueError(f"MMCPU_KERNELS must be 'native' or 'interpreter', not {mode!r}")
     try:
@@ -210,15 +262,25 @@ def install(mode: str = "native") -> bool:
     if _original_run is None:
         _original_run = InterpretedFunction.run
         InterpretedFunction.run = _run
-    logger.info("MRV2 Triton kernels: MMCPU_KERNELS=%s (%d native implementations)", mode, len(REGISTRY))
+    from mmcpu import cpu
+
+    logger.info("MRV2 Triton kernels: MMCPU_KERNELS=%s (%d native implementations); CPU: %s; vLLM ops: %s",
+                mode, len(REGISTRY), cpu.current().line(), ", ".join(cpu.loaded_vllm_c()) or "not loaded yet")
+    if stats_path is not None and _writer is None:
+        _writer = StatsWriter(Path(stats_path))
+        _writer.start()
+        logger.info("MRV2 kernel launch counts: %s (rewritten every %.0f s)", stats_path, _writer.interval)
     return True
 
 
 def uninstall() -> None:
-    global _original_run, _mode
+    global _original_run, _mode, _writer
     if _original_run is not None:
         from triton.runtime.interpreter import InterpretedFunction
 
         InterpretedFunction.run = _original_run
-    _original_run, _mode = None, None
+    if _writer is not None:
+        _writer.stopped.set()
+        _writer.join(5)
+    _original_run, _mode, _writer = None, None, None
     _decisions.clear()

@@ -147,3 +147,45 @@ def test_bad_mode_is_refused():
 def test_native_signature_must_start_with_grid():
     with pytest.raises(TypeError, match="grid"):
         dispatch.native("x", "y", sha256="0")(lambda out_ptr: None)
+
+
+def test_kernel_without_native_version_warns_once_at_its_first_launch(kernel_module, registered, caplog):
+    """An interpreted launch is said when it happens, not left to a summary that shutdown may never log."""
+    mod = kernel_module()
+    dispatch.install("native")
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcpu.kernels"):
+        launch(mod), launch(mod)
+    warnings = [r.getMessage() for r in caplog.records if "_double_kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "no native implementation" in warnings[0], warnings
+
+
+def test_stats_file_holds_every_launch_made_before_a_snapshot_newer_than_it(kernel_module, registered, tmp_path):
+    """What the test sessions rely on instead of the shutdown line: a snapshot taken after a moment counts every
+    launch made before that moment, per kernel, native and interpreted apart."""
+    import time
+
+    mod = kernel_module()
+    registered(mod.__name__, native_double, dispatch.kernel_source_sha256(mod._double_kernel.fn))
+    path = tmp_path / "kernels.json"
+    dispatch.install("native", stats_path=path)
+    dispatch._writer.interval = 0.05  # the test need not wait a whole second per snapshot
+    for _ in range(3):
+        launch(mod)
+    since = time.time()
+    deadline = time.monotonic() + 30
+    while (snap := dispatch.read_snapshot(path)) is None or snap["time"] < since:
+        assert time.monotonic() < deadline, "no snapshot newer than the launches"
+        time.sleep(0.01)
+    assert snap["native"] == {"_double_kernel": 3} and snap["interpreted"] == {} and snap["mode"] == "native"
+    dispatch.uninstall()
+    assert not dispatch._writer and not list(tmp_path.glob(".*.tmp"))  # stopped; no half-written file left
+
+
+def test_unwritable_stats_file_warns_and_serving_goes_on(kernel_module, registered, tmp_path, caplog):
+    mod = kernel_module()
+    registered(mod.__name__, native_double, dispatch.kernel_source_sha256(mod._double_kernel.fn))
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcpu.kernels"):
+        dispatch.install("native", stats_path=tmp_path / "missing-dir" / "kernels.json")
+        dispatch._writer.join(10)
+    assert any("not written" in r.getMessage() for r in caplog.records)
+    assert launch(mod)[:5].tolist() == [0, 2, 4, 6, 8]
