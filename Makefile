@@ -6,6 +6,7 @@
 #   make latency   per-request latency MRV2 vs V1 and ready time / RSS per model (prints figures)
 #   make lock      regenerate requirements.lock from the working venv
 #   make bench     benchmarks vs faster-whisper and the V1 runner (scripts/bench.mk; docs/benchmarks.md)
+#   make settings-doc  regenerate README.md's settings table from mmcpu/config.py
 #   make k8s-check render every Kubernetes overlay (or OVERLAYS=...), validate it offline, checkov + domain rules
 SHELL := /bin/bash
 VENV  ?= .cache/venv
@@ -14,7 +15,7 @@ VLLM_VERSION ?= 0.26.0
 PYTEST_ARGS ?=
 OVERLAYS ?=
 
-.PHONY: venv models test test-quick latency lock clean-venv k8s-check
+.PHONY: venv models test test-quick latency lock clean-venv k8s-check settings-doc
 venv:
 	VLLM_VERSION=$(VLLM_VERSION) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
@@ -45,3 +46,6 @@ k8s-check:
 
 -include docker/e2e.mk
 -include scripts/bench.mk
+
+settings-doc:
+	$(PY) -m mmcpu.dev.settings_doc

@@ -33,11 +33,13 @@ class Settings(BaseSettings):
     # --- where things live ---------------------------------------------------------------------
     cache_dir: Path = Field(
         REPO_ROOT / ".cache" if IN_CHECKOUT else Path.home() / ".cache" / "mmcpu",
-        description="venvs, fixture models, wheels, logs (checkout: .cache/; installed: ~/.cache/mmcpu)",
+        description="venvs, fixture models, wheels, logs of the dev tooling",
+        json_schema_extra={"doc_default": "checkout: `.cache`; installed: `~/.cache/mmcpu`"},
     )
     models_dir: Path = Field(
         REPO_ROOT / ".cache" / "models" if IN_CHECKOUT else Path("/models"),
-        description="fixture/real model folders (checkout: .cache/models; installed: /models, the image's)",
+        description="fixture/real model folders",
+        json_schema_extra={"doc_default": "checkout: `.cache/models`; installed: `/models` (the image's)"},
     )
 
     # --- one vLLM engine (mmcpu-serve) ---------------------------------------------------------
@@ -69,12 +71,13 @@ class Settings(BaseSettings):
     )
     kernel_stats: Path | None = Field(
         None, description="file where an MRV2 engine keeps its kernel launch counts (JSON: native / interpreted "
-        "per kernel, rewritten every second); unset = the launcher's /tmp/mmcpu-kernels-PORT.json"
+        "per kernel, rewritten every second)", json_schema_extra={"doc_default": "`/tmp/mmcpu-kernels-PORT.json`"},
     )
     max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
     dtype: str | None = Field(
-        None, description="vLLM --dtype of every engine; unset = the role's default (ROLE_DTYPES: audio float32, "
-        "vision and mmcpu-serve auto)"
+        None, description="vLLM --dtype of every engine, overriding the role's default (ROLE_DTYPES: float32 "
+        "gave +16 % at c=8 and a lower p50 than bf16 for Whisper tiny, docs/bench/analysis.md)",
+        json_schema_extra={"doc_default": "per role: audio `float32`, vision and mmcpu-serve `auto`"},
     )
     compile: bool = Field(
         False,
@@ -85,9 +88,9 @@ class Settings(BaseSettings):
 
     # --- roles of the container entrypoint --------------------------------------------------------
     audio_model: str = Field("/models/whisper-tiny.en", description="model served by the audio engine")
-    audio_port: int = 8001
+    audio_port: int = Field(8001, description="port of the audio engine")
     vision_model: str = Field("/models/tiny-llava", description="model served by the vision engine")
-    vision_port: int = 8002
+    vision_port: int = Field(8002, description="port of the vision engine")
     audio_args: str = Field("", description="extra vLLM arguments of the audio engine, shell-split")
     vision_args: str = Field(
         shlex.join(VISION_LIMIT_ARGS), description="extra vLLM arguments of the vision engine, shell-split"
@@ -98,28 +101,37 @@ class Settings(BaseSettings):
     )
 
     # --- gateway -------------------------------------------------------------------------------
-    host: str = "0.0.0.0"
+    host: str = Field("0.0.0.0", description="address the gateway and the engines listen on")
     gateway_port: int = Field(8000, description="gateway port (the one OpenAI base URL)")
     engines: Annotated[dict[str, str], NoDecode] = Field(
         "audio=http://127.0.0.1:8001,vision=http://127.0.0.1:8002", validate_default=True,
-        description="the gateway's engines, 'name=url,...'; requests are routed by the models each one lists",
+        description="the gateway's engines, 'name=url,...' (compose: 'audio=http://audio:8001,vision=http://"
+        "vision:8002'); requests are routed by the models each one's /v1/models lists. The name labels metrics, "
+        "logs and /health; the order decides a model id listed by two engines",
     )
     api_key: SecretStr | None = Field(
-        None, description="if set and not empty, clients must send 'Authorization: Bearer KEY'"
+        None, description="if set and not empty, every /v1/* request needs 'Authorization: Bearer KEY' (else "
+        "401); /health, /ping, /metrics stay open"
     )
-    max_upload_mb: float = Field(25, gt=0, description="largest accepted request body in MiB (audio uploads, images)")
-    request_timeout_s: float = Field(600, gt=0, description="per-request timeout towards an engine")
+    max_upload_mb: float = Field(25, gt=0, description="largest request body in MiB (audio uploads, image "
+                                 "chats); larger: 413, checked from Content-Length and while a chunked body streams")
+    request_timeout_s: float = Field(600, gt=0, description="timeout of a request towards an engine (between "
+                                     "bytes, so a long SSE stream is fine); exceeded: 504")
     health_timeout_s: float = Field(
-        5, gt=0, description="timeout of the gateway's engine probes (/health, /v1/models) and of connecting"
+        5, gt=0, description="timeout of the gateway's engine probes (/health, /v1/models) once connected"
     )
     models_ttl_s: float = Field(
-        30, ge=0, description="how long the gateway trusts its model → engine table (re-read at once on a miss)"
+        30, ge=0, description="how long the gateway trusts an engine's model list (a model in no list is looked "
+        "up again at once)"
     )
     connect_timeout_s: float = Field(
-        1, gt=0, description="timeout of connecting to an engine: bounds how long a request for a down engine waits"
+        1, gt=0, description="timeout of connecting to an engine: the longest a request waits before a 503 for an "
+        "engine that stopped answering"
     )
     drain_s: float = Field(
-        120, ge=0, description="on SIGTERM the gateway refuses new requests and lets in-flight ones run this long"
+        120, ge=0, description="on SIGTERM, in-flight requests may still run this long (engines: vLLM "
+        "--shutdown-timeout; gateway: uvicorn's graceful shutdown); below the platform's kill deadline: compose "
+        "stop_grace_period and Kubernetes terminationGracePeriodSeconds 150 s"
     )
 
     @field_validator("engines", mode="before")
