@@ -1,0 +1,60 @@
+"""The vision engine with a real language half: LLaVA over SmolLM2-135M-Instruct (mmcpu/dev/fixtures/llava_smollm2.py),
+served by vLLM under MRV2 with native kernels. Text answers are checkable; the vision half is random, so image
+answers are only required to be deterministic and to differ per image."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmcpu.config import VISION_LIMIT_ARGS
+from mmcpu.dev.payloads import image_chat_kwargs, test_image
+from mmcpu.dev.servers import MRV2_LOG_LINE, assert_native_then_stop
+
+from conftest import SETTINGS, _engine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol_engine(patched_vllm, logs_dir):
+    from mmcpu.dev.fixtures import llava_smollm2
+
+    model = llava_smollm2.build(SETTINGS.models_dir / "llava-smollm2", wheel_cache=SETTINGS.cache_dir / "wheels")
+    engine = _engine(model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
+    print(f"\n[llava-smollm2 MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
+    yield engine
+    assert_native_then_stop(engine)
+
+
+def ask(engine, prompt: str, images=(), **kwargs) -> str:
+    reply = engine.client().chat.completions.create(
+        **image_chat_kwargs(list(images), model=engine.name, prompt=prompt, **kwargs))
+    return reply.choices[0].message.content
+
+
+@pytest.mark.parametrize(("question", "word"), [
+    ("What is the capital of France?", "paris"),
+    ("What colour is the sky on a clear day?", "blue"),
+])
+def test_factual_question_gets_a_sensible_answer(smol_engine, question, word):
+    answer = ask(smol_engine, question, max_tokens=24)
+    assert word in answer.lower(), answer
+    assert MRV2_LOG_LINE in smol_engine.log()
+
+
+def test_image_answers_are_deterministic_and_differ_per_image(smol_engine):
+    answers = [ask(smol_engine, "Describe the image.", [test_image(seed)]) for seed in (1, 2, 1)]
+    assert answers[0] == answers[2], answers
+    assert answers[0] != answers[1], answers
+
+
+def test_two_images_in_one_request_and_openai_default_sampling(smol_engine):
+    """Two different images in one request (the path patches/0003 fixes), sampled as OpenAI clients sample: no
+    temperature (1.0), with a seed so the answer is reproducible."""
+    kwargs = image_chat_kwargs([test_image(3), test_image(4)], model=smol_engine.name, max_tokens=12)
+    kwargs.pop("temperature")
+    client = smol_engine.client()
+    first = client.chat.completions.create(**kwargs, seed=7)
+    again = client.chat.completions.create(**kwargs, seed=7)
+    assert first.choices[0].message.content and first.choices[0].message.content == again.choices[0].message.content
+    assert first.usage.prompt_tokens > 2 * 16  # both images' 16 tokens each, plus the text
