@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,9 +33,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
 from mmcpu.gateway.routes.proxy import _ModelField
+from mmcpu.gateway.upstream import RECHECK_S
 from mmcpu.dev.payloads import image_chat_kwargs, transcription_kwargs
 from mmcpu.dev.payloads import test_image as make_image
-from mmcpu.dev.servers import ServedApp, free_port, wait_until_ok
+from mmcpu.dev.servers import ServedApp, wait_until_ok
 
 AUDIO_MODEL = "whisper-test"
 VISION_MODEL = "llava-test"
@@ -42,6 +44,9 @@ SHARED_MODEL = "shared"  # listed by both engines: the audio engine (listed firs
 LIMIT_MB = 0.25
 LIMIT = int(LIMIT_MB * 1024 * 1024)
 ERROR_KEYS = {"message", "type", "param", "code"}
+# How long a stand-in engine holds a streamed answer after its first two chunks unless the test releases it: longer
+# than any wait below, so a stream is never over by itself while a test still relies on it being held.
+HOLD_S = 30
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,10 +149,9 @@ class StandInEngine:
         self.stream_abandoned.clear()
         try:
             for i, word in enumerate(words):
-                if i == 2:  # hold the rest until the test has seen the first chunks (or 5 s pass)
-                    for _ in range(500):
-                        if self.release.is_set():
-                            break
+                if i == 2:  # hold the rest until the test has seen the first chunks (or HOLD_S pass)
+                    deadline = time.monotonic() + HOLD_S
+                    while not self.release.is_set() and time.monotonic() < deadline:
                         await asyncio.sleep(0.01)
                 chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
                          "choices": [{"index": 0, "delta": {"content": (" " if i else "") + word},
@@ -372,7 +376,9 @@ def test_client_gone_closes_engine_stream(gateway: ServedApp, engines) -> None:
     )
     next(iter(stream))
     stream.close()  # the client hangs up while the engine is still generating
-    assert vision.stream_abandoned.wait(3), "the gateway kept the engine's stream open"
+    # Set only when the engine's stream is cancelled (never when it runs to its end), so a long wait cannot let a
+    # gateway that keeps the stream open pass; it only has to cover a slow machine's few event-loop turns.
+    assert vision.stream_abandoned.wait(10), "the gateway kept the engine's stream open"
     assert not vision.stream_finished.is_set()
 
 
@@ -532,9 +538,21 @@ def timed(method: str, url: str, **kwargs: Any) -> tuple[httpx.Response, float]:
     return r, time.monotonic() - start
 
 
+def failed_connects(served: ServedApp, engine: str) -> float:
+    """Connections to ``engine`` that failed while forwarding a request (the gateway's own /health probes do not
+    count), read from the app's registry: a /metrics request would probe the engines first and so change the very
+    state a test looks at."""
+    value = served.app.state.metrics.registry.get_sample_value(
+        "mmcpu_gateway_upstream_errors_total", {"engine": engine, "kind": "connect"})
+    return value or 0.0
+
+
 def test_engine_down_503_others_serve_then_recovers() -> None:
     audio, vision = _engines()
-    served = ServedApp(create_app(_settings(audio, vision)))
+    # A long connect timeout, so that "answered without waiting" is told apart from any machine's slowness: a
+    # refused connection must not cost it, and a known-down engine must not even be tried.
+    connect_s = 10
+    served = ServedApp(create_app(_settings(audio, vision, connect_timeout_s=connect_s)))
     client = client_for(served)
     chat = image_chat_kwargs([make_image(1), make_image(2)], model=VISION_MODEL)
     try:
@@ -544,15 +562,19 @@ def test_engine_down_503_others_serve_then_recovers() -> None:
         r, first_s = timed("POST", f"{served.url}/v1/chat/completions", json=chat)
         error = assert_openai_error(r, 503, "engine_unavailable", "server_error")
         assert "vision" in error["message"]
+        assert first_s < connect_s / 2, first_s  # refused: answered at once, not after the connect timeout
+        connects = failed_connects(served, "vision")
+        assert connects >= 1  # it did try the engine
         listings = vision.model_listings
         # now known down: its models answer 503 from the last list it gave (not 404), without waiting on it
         r, cached_s = timed("POST", f"{served.url}/v1/chat/completions", json=chat)
         assert_openai_error(r, 503, "engine_unavailable")
-        assert first_s < 1 and cached_s < 0.5, (first_s, cached_s)
         # a model never seen might live on the engine that is down: 503, not a misleading 404
         r, unseen_s = timed("POST", f"{served.url}/v1/chat/completions", json=image_chat_kwargs([], model="unseen"))
         assert_openai_error(r, 503, "engine_unavailable")
-        assert unseen_s < 0.5
+        # Both answered from what the gateway knows: no connection to the down engine was attempted (the count is
+        # exact, where a time bound would only be as good as the machine is fast).
+        assert failed_connects(served, "vision") == connects, (cached_s, unseen_s)
         # the other engine keeps serving, and the gateway is ready while one engine is
         assert client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model=AUDIO_MODEL)).text
         assert [m.id for m in client.models.list()] == [AUDIO_MODEL, SHARED_MODEL]
@@ -568,10 +590,14 @@ def test_engine_down_503_others_serve_then_recovers() -> None:
         assert samples[("mmcpu_gateway_upstream_errors_total", (("engine", "vision"), ("kind", "connect")))] >= 1
 
         # back on the same port, with one more model: the gateway notices by itself (no request, no restart)
-        # and learns the new list
+        # and learns the new list. Waited for on the gateway's side: the engine counting a listing is not yet the
+        # gateway having read the answer. The background re-probe runs every RECHECK_S; nothing else lists the
+        # engine's models meanwhile (no request is sent), so a bound of 10 periods only allows for a slow machine.
         vision.models.append("late-model")
         vision.served.start()
-        back_s = wait_for(lambda: vision.model_listings > listings, 3, "background re-probe")
+        seen = served.app.state.upstreams.engines["vision"]
+        back_s = wait_for(lambda: seen.up, 10 * RECHECK_S, "background re-probe")
+        assert vision.model_listings > listings and seen.serves("late-model")
         print(f"\n[down engine: first 503 in {first_s * 1000:.0f} ms, then {cached_s * 1000:.0f} ms; "
               f"re-listed {back_s:.2f} s after it came back]")
         assert client.chat.completions.create(**chat).choices[0].message.content == "vision saw 2 images"
@@ -587,9 +613,14 @@ def test_engine_down_503_others_serve_then_recovers() -> None:
 
 def test_unreachable_engine_503_within_connect_timeout() -> None:
     """An engine whose port stops completing connections (full accept queue: SYNs are dropped, as for a frozen
-    host) costs one request the connect timeout (1 s default); the next ones are answered at once."""
+    host) costs one request the connect timeout; the next ones are answered at once.
+
+    The timeouts are set far apart, so each bound below tells the right timeout from the wrong one with seconds
+    to spare on any machine: connect 2 s; request 10 s and probe (health) 10 s, either of which would end a hung
+    connect if the connect timeout were not applied."""
+    connect_s = 2
     audio, vision = _engines()
-    served = ServedApp(create_app(_settings(audio, vision, connect_timeout_s=1)))
+    served = ServedApp(create_app(_settings(audio, vision, connect_timeout_s=connect_s, health_timeout_s=10)))
     client = client_for(served)
     chat = image_chat_kwargs([make_image(1)], model=VISION_MODEL)
     jammed: list[socket.socket] = []
@@ -610,13 +641,21 @@ def test_unreachable_engine_503_within_connect_timeout() -> None:
 
         r, first_s = timed("POST", f"{served.url}/v1/chat/completions", json=chat)
         assert_openai_error(r, 503, "engine_unavailable")
+        connects = failed_connects(served, "vision")
         r, cached_s = timed("POST", f"{served.url}/v1/chat/completions", json=chat)
         assert_openai_error(r, 503, "engine_unavailable")
         print(f"\n[unreachable engine: first 503 in {first_s * 1000:.0f} ms, then {cached_s * 1000:.0f} ms]")
-        assert 0.9 < first_s < 1.5 and cached_s < 0.2, (first_s, cached_s)
+        # The first waited out the connect timeout (it cannot end sooner), and not the 10 s ones.
+        assert connect_s - 0.1 < first_s < connect_s + 3, first_s
+        # The next one tried no connection at all (exact), so it did not wait on one (a connection attempt would
+        # cost the whole connect timeout here: the bound has that much margin over any machine's noise).
+        assert failed_connects(served, "vision") == connects >= 1
+        assert cached_s < connect_s - 0.5, cached_s
         assert client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model=AUDIO_MODEL)).text
+        # /health probes every engine, the jammed one too: its connect timeout bounds the answer, not the probe's 10 s.
         r, health_s = timed("GET", f"{served.url}/health")
-        assert r.status_code == 200 and r.json()["down"] == ["vision"] and health_s < 1.5
+        assert r.status_code == 200 and r.json()["down"] == ["vision"]
+        assert health_s < connect_s + 3, health_s
     finally:
         for sock in jammed:
             sock.close()
@@ -673,12 +712,21 @@ def test_one_log_line_per_request(gateway: ServedApp, caplog: pytest.LogCaptureF
 
 # --- graceful stop of a real gateway process ------------------------------------------------------------------
 def _gateway_process(engine: StandInEngine, drain_s: float, log_path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_GATEWAY_PORT=str(port), MMCPU_ENGINES=f"vision={engine.url}",
+    # Port 0: the gateway binds a free port itself and uvicorn logs which one (a port picked here and let go could
+    # be taken by someone else before the gateway binds it).
+    env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_GATEWAY_PORT="0", MMCPU_ENGINES=f"vision={engine.url}",
                MMCPU_DRAIN_S=str(drain_s), MMCPU_API_KEY="")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    running = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+    deadline = time.monotonic() + 60  # interpreter start and imports: ~1 s idle, several on a slow busy machine
+    while not (found := running.search(log_path.read_text(errors="replace"))):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"gateway did not start (exit {proc.returncode}):\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{found.group(1)}"
     wait_until_ok(f"{url}/ping", proc, 30, "gateway", log_path)
     return proc, url
 
@@ -712,6 +760,10 @@ def _sigterm_during_stream(drain_s: float, tmp_path, release: bool) -> tuple[dic
             httpx.get(f"{url}/ping", timeout=1)
         except httpx.ConnectError:
             return True
+        except httpx.TransportError:
+            # Connected just before the listener closed, then dropped by the shutdown without an answer (or not
+            # answered within 1 s while it shuts down): not refused yet, ask again.
+            return False
         return False
 
     try:
@@ -747,7 +799,10 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path) -> None:
 
 def test_drain_time_bounds_the_wait(tmp_path) -> None:
     # The other side of MMCPU_DRAIN_S: a stream that outlasts the drain time is cut off when it runs out.
-    outcome, exit_s, code, log = _sigterm_during_stream(1, tmp_path, release=False)
+    drain_s = 1
+    outcome, exit_s, code, log = _sigterm_during_stream(drain_s, tmp_path, release=False)
     assert outcome["in_flight_when_refused"]
     assert "error" in outcome and not outcome.get("done"), outcome  # broken off mid-stream
-    assert exit_s < 4, (exit_s, log)  # the engine would have held the stream for 5 s
+    # The stream got its drain time (the gateway cannot have ended it sooner), and no more: the engine would have
+    # held it for HOLD_S (30 s); the upper bound leaves a slow machine 9 s to shut down after the drain.
+    assert drain_s <= exit_s < drain_s + 9 < HOLD_S, (exit_s, log)

@@ -1,28 +1,30 @@
 """mmcpu.healthcheck (the image's HEALTHCHECK) against real local HTTP servers that behave like vLLM / the gateway.
 
 A fake engine answers /health, /metrics (token counters), /v1/models and the 1-token probe routes; the tests make
-it dead (503), hung (the probe never returns in time), busy (counters moving) and check the verdicts.
+it dead (503), hung (the probe never returns while the test runs), busy (counters moving) and check the verdicts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mmcpu.dev.servers import free_port
-
 
 class FakeEngine:
-    def __init__(self, *, health: int = 200, probe_delay_s: float = 0.0, ping: int = 404):
+    def __init__(self, *, health: int = 200, hung: bool = False, ping: int = 404):
         self.health = health
-        self.probe_delay_s = probe_delay_s
+        self.hung = hung  # the 1-token probe never answers (until the fake is closed)
+        self.closed = threading.Event()
         self.ping = ping
         self.tokens = 0
         self.probes: list[str] = []
@@ -55,7 +57,9 @@ class FakeEngine:
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 engine.probes.append(self.path)
-                time.sleep(engine.probe_delay_s)
+                if engine.hung:
+                    engine.closed.wait(120)  # as long as the test runs: the check has long given up by then
+                    return
                 if self.path == "/v1/completions":
                     assert json.loads(body)["max_tokens"] == 1
                 elif self.path == "/v1/audio/transcriptions":
@@ -74,6 +78,7 @@ class FakeEngine:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
+        self.closed.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -91,16 +96,27 @@ def fakes():
         fake.close()
 
 
+@contextlib.contextmanager
+def silent_port() -> Iterator[int]:
+    """A loopback port that refuses connections for as long as the block runs: bound, never listening. Unlike a
+    port found free and let go, no other process (nor an outgoing connection's own source port) can take it
+    meanwhile and answer in its place."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
 def run_check(tmp_path, *role: str, gateway: int | None = None, audio: int | None = None, vision: int | None = None,
-              probe_s: float = 2) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MMCPU_GATEWAY_PORT=str(gateway or free_port()), MMCPU_AUDIO_PORT=str(audio or free_port()),
-               MMCPU_VISION_PORT=str(vision or free_port()), MMCPU_HEALTH_PROBE_S=str(probe_s),
-               MMCPU_HEALTH_TIMEOUT_S="2")
-    # The check keeps its progress state and reads the role file under /tmp; point both at the test's dir.
-    code = ("import sys, pathlib, mmcpu.healthcheck as h; h.STATE_DIR = pathlib.Path(sys.argv[1]); "
-            "h.ROLE_FILE = h.STATE_DIR / 'role'; sys.argv = sys.argv[1:]; sys.exit(h.main())")
-    return subprocess.run([sys.executable, "-c", code, str(tmp_path), *role], env=env, capture_output=True,
-                          text=True, timeout=60)
+              probe_s: float = 2, health_timeout_s: float = 2) -> subprocess.CompletedProcess:
+    with silent_port() as idle_gateway, silent_port() as idle_audio, silent_port() as idle_vision:
+        env = dict(os.environ, MMCPU_GATEWAY_PORT=str(gateway or idle_gateway), MMCPU_AUDIO_PORT=str(audio or idle_audio),
+                   MMCPU_VISION_PORT=str(vision or idle_vision), MMCPU_HEALTH_PROBE_S=str(probe_s),
+                   MMCPU_HEALTH_TIMEOUT_S=str(health_timeout_s))
+        # The check keeps its progress state and reads the role file under /tmp; point both at the test's dir.
+        code = ("import sys, pathlib, mmcpu.healthcheck as h; h.STATE_DIR = pathlib.Path(sys.argv[1]); "
+                "h.ROLE_FILE = h.STATE_DIR / 'role'; sys.argv = sys.argv[1:]; sys.exit(h.main())")
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path), *role], env=env, capture_output=True,
+                              text=True, timeout=60)
 
 
 def test_engine_healthy_after_a_one_token_probe(fakes, tmp_path):
@@ -127,12 +143,21 @@ def test_dead_engine_core_is_unhealthy(fakes, tmp_path):
 
 def test_hung_engine_core_is_unhealthy_within_the_probe_timeout(fakes, tmp_path):
     # /health says 200 (vLLM's check_health only reads an "errored" flag), but nothing finishes.
-    engine = fakes(probe_delay_s=10)
+    # Baseline: the same check against an engine that answers at once (interpreter start, imports, the same
+    # requests), so the hung run's extra time is what the probe waited, whatever the speed of this machine.
+    quick = fakes()
     t0 = time.monotonic()
-    result = run_check(tmp_path, "vision", vision=engine.port, probe_s=1)
+    assert run_check(tmp_path, "vision", vision=quick.port, probe_s=1, health_timeout_s=30).returncode == 0
+    baseline = time.monotonic() - t0
+    engine = fakes(hung=True)
+    t0 = time.monotonic()
+    result = run_check(tmp_path, "vision", vision=engine.port, probe_s=1, health_timeout_s=30)
+    extra = time.monotonic() - t0 - baseline
     assert result.returncode == 1, result.stdout
     assert "timed out" in result.stdout
-    assert time.monotonic() - t0 < 8
+    # The probe's own 1 s ended it: waiting for the engine (never) or on the 30 s health timeout would add >= 30 s;
+    # 10 s of the margin absorb the noise between two runs of a fresh interpreter on a busy machine.
+    assert extra < 1 + 10, (extra, baseline)
 
 
 def test_busy_engine_making_progress_gets_no_extra_request(fakes, tmp_path):
@@ -149,7 +174,7 @@ def test_busy_engine_making_progress_gets_no_extra_request(fakes, tmp_path):
 
 
 def test_probe_off_checks_health_only(fakes, tmp_path):
-    engine = fakes(probe_delay_s=10)
+    engine = fakes(hung=True)
     result = run_check(tmp_path, "vision", vision=engine.port, probe_s=0)
     assert result.returncode == 0, result.stdout
     assert engine.probes == []

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,28 @@ def supervisor(child: str, *, drain_s: float = 0, grace_s: float = 15) -> subpro
     return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
 
 
+def catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGTERM handler installed (Linux: bit 15 of SigCgt in /proc/PID/status).
+    A python process does not catch SIGTERM until it installs a handler; supervise() does, right after it started
+    its children."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def wait_until_ready(proc: subprocess.Popen, child_ready: Path, timeout_s: float = 60) -> None:
+    """Until both the supervisor and its child have set up their SIGTERM handling: the child says so with a file
+    it creates right after (signal.signal), the supervisor in its signal mask. Polled, not slept: interpreter start
+    and imports take 0.5-1.5 s on a fast idle machine and several times that on a slow busy one; the bound only
+    ends a run whose processes never get there (one that exits early fails at once)."""
+    deadline = time.monotonic() + timeout_s
+    while not (child_ready.exists() and catches_sigterm(proc.pid)):
+        if proc.poll() is not None:
+            pytest.fail(f"the supervisor exited with {proc.returncode} before it was ready: {proc.stderr.read()}")
+        assert time.monotonic() < deadline, f"supervisor/child not ready to take SIGTERM within {timeout_s} s"
+        time.sleep(0.02)
+
+
 def test_unrequested_exit_0_becomes_a_failure_with_a_reason():
     proc = supervisor("import time; time.sleep(0.5)")  # exits 0 by itself, like vLLM after EngineDeadError
     _, err = proc.communicate(timeout=60)
@@ -45,12 +68,14 @@ def test_unrequested_crash_keeps_its_code():
     assert "exited with 7 without a stop request" in err
 
 
-def test_requested_stop_waits_for_the_child_and_exits_0():
+def test_requested_stop_waits_for_the_child_and_exits_0(tmp_path):
+    ready = tmp_path / "child-ready"
     child = ("import signal, sys, time\n"
              "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), print('drained', flush=True), sys.exit(0)))\n"
+             f"open({str(ready)!r}, 'w').close()\n"
              "time.sleep(60)")
     proc = supervisor(child, drain_s=30)
-    time.sleep(2)  # let the child install its handler
+    wait_until_ready(proc, ready)  # a SIGTERM before the handlers are in would kill instead of stopping
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -59,14 +84,18 @@ def test_requested_stop_waits_for_the_child_and_exits_0():
     assert 1.4 < time.monotonic() - t0 < 20
 
 
-def test_child_ignoring_sigterm_is_killed_after_its_grace():
-    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+def test_child_ignoring_sigterm_is_killed_after_its_grace(tmp_path):
+    ready = tmp_path / "child-ready"
+    child = (f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({str(ready)!r}, 'w').close(); "
+             "time.sleep(120)")
     proc = supervisor(child, drain_s=0, grace_s=2)
-    time.sleep(2)
+    wait_until_ready(proc, ready)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert time.monotonic() - t0 < 15
+    # Killed once its 2 s grace ran out (the deadline is set when the SIGTERM arrives, after t0), long before the
+    # child would have ended by itself (120 s).
+    assert 2 <= time.monotonic() - t0 < 15
     assert "still running after its drain time; killing it" in err
     assert proc.returncode == 128 + signal.SIGKILL
 

@@ -16,7 +16,9 @@ container cannot see: ``make e2e`` checks them after the smoke has passed.
 Two more modes for ``make e2e``'s fault tests (scripts/docker-e2e):
   --load N [--concurrency C]   a bounded mixed load (audio and vision; half of each with sampling options,
                                temperature 0.8 / top_p 0.9); one ``[load] {json}`` line per request with its
-                               wall-clock start/end, then a summary with p50/p95; exit 0 only with 0 failures
+                               wall-clock start/end, then a summary with p50/p95; exit 0 only with 0 failures.
+                               --duration-s S and --stop-file F end it early: no request starts after S seconds
+                               or once F exists (how ``make e2e`` ends a load when it has seen what it needs)
   --long-s S                   one transcription of an S-second espeak clip (``[long]`` lines): the request
                                during which ``make e2e`` stops the audio engine, which must let it finish
 """
@@ -246,9 +248,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0.0
 
 
-def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = None) -> bool:
-    """n requests (fewer if duration_s runs out first), alternating audio / vision, half of each with sampling
-    options; concurrency at a time."""
+def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = None,
+             stop_file: Path | None = None) -> bool:
+    """n requests (fewer if duration_s runs out or stop_file appears first), alternating audio / vision, half of
+    each with sampling options; concurrency at a time. Requests in flight when it stops are completed."""
     clips = smoke.clips
     print_lock = threading.Lock()
 
@@ -289,8 +292,13 @@ def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = 
     lock = threading.Lock()
     counter = iter(range(n))
 
+    def go_on() -> bool:
+        if duration_s is not None and time.monotonic() - t0 >= duration_s:
+            return False
+        return stop_file is None or not stop_file.exists()
+
     def worker() -> None:
-        while duration_s is None or time.monotonic() - t0 < duration_s:
+        while go_on():
             with lock:
                 i = next(counter, None)
             if i is None:
@@ -359,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=int, metavar="N", help="instead of the checks: a mixed load of N requests")
     parser.add_argument("--concurrency", type=int, default=8, help="of --load (default: %(default)s)")
     parser.add_argument("--duration-s", type=float, help="of --load: start no request after this long")
+    parser.add_argument("--stop-file", type=Path, help="of --load: start no request once this file exists")
     parser.add_argument("--long-s", type=float, metavar="S", help="instead of the checks: one S-second transcription")
     args = parser.parse_args(argv)
     api_key = settings.api_key.get_secret_value() if settings.api_key else "unused"
@@ -368,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mmcpu-smoke-") as tmp:
         smoke = Smoke(client, args.audio_model, args.vision_model, Path(tmp))
         if args.load:
-            ok = run_load(smoke, args.load, args.concurrency, args.duration_s)
+            ok = run_load(smoke, args.load, args.concurrency, args.duration_s, args.stop_file)
         elif args.long_s:
             ok = run_long(smoke, args.long_s)
         else:
