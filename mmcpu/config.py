@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         None, description="file where an MRV2 engine keeps its kernel launch counts (JSON: native / interpreted "
         "per kernel, rewritten every second)", json_schema_extra={"doc_default": "`/tmp/mmcpu-kernels-PORT.json`"},
     )
+    mm_cache_gib: float | None = Field(
+        None, ge=0, description="vLLM's multimodal processor cache per process in GiB (--mm-processor-cache-gb; the "
+        "API server and the EngineCore each hold one; 0 = off). vLLM's own 4 GiB each would overrun a 3-4 GiB "
+        "container after a few hundred distinct real-sized images",
+        json_schema_extra={"doc_default": "4 % of the memory limit (cgroup `memory.max`, else RAM), at most 4"},
+    )
     max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
     dtype: str | None = Field(
         None, description="vLLM --dtype of every engine, overriding the role's default (ROLE_DTYPES: float32 "

@@ -60,7 +60,13 @@ def patched_vllm() -> Path:
     return site
 
 
+# The session engines' multimodal processor cache (MMCPU_MM_CACHE_GIB): ~31 Whisper windows, so the session's
+# traffic runs through eviction too, and tests/test_mm_cache.py can fill it many times over in seconds.
+MM_CACHE_GIB = 0.03
+
+
 def _engine(model: Path, logs_dir: Path, tag: str, **kwargs) -> Engine:
+    kwargs["env"] = {"MMCPU_MM_CACHE_GIB": str(MM_CACHE_GIB), **kwargs.get("env", {})}
     return Engine(model=model, log_path=logs_dir / f"{model.name}-{tag}.log", **kwargs)
 
 
