@@ -20,6 +20,9 @@ from mmcpu.config import VISION_LIMIT_ARGS, get_settings  # noqa: E402
 from mmcpu.dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
 from mmcpu.dev.fixtures import qwen2_vl  # noqa: E402
 from mmcpu.dev.servers import MRV2_LOG_LINE, Engine  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from conftest import _engine  # noqa: E402
 
 slow = pytest.mark.slow
 
@@ -248,7 +251,7 @@ def v1_starting(qwen_model: Path, patched_vllm: Path, logs_dir: Path):
 def qwen_engine(qwen_model: Path, patched_vllm: Path, logs_dir: Path, v1_starting: _Starting):
     from mmcpu.dev.servers import assert_native_then_stop
 
-    engine = Engine(model=qwen_model, log_path=logs_dir / "tiny-qwen2-vl-mrv2-patched.log", vllm_args=VISION_LIMIT_ARGS)
+    engine = _engine(qwen_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS)  # the session's small mm cache
     engine.start()
     print(f"\n[qwen2-vl MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
@@ -349,3 +352,20 @@ def test_mrope_kernel_runs_natively(qwen_engine, mrv2_answers):
     print(f"\nMRV2 launches: {dict(counts.native)}")
     assert counts.native["_prepare_rope_positions_kernel"] > 0
     assert not counts.interpreted, dict(counts.interpreted)
+
+
+@slow
+def test_distinct_real_sized_images_far_beyond_the_cache_plateau(qwen_engine):
+    """At its own resolution a Qwen2-VL image is a big cache item: 448x448 -> 1024 patches x 1176 float32 = 4.8 MB
+    (1400x1400: 23 MB, so vLLM's default 4 GiB per process holds ~180 and a 3 GiB container dies first). With
+    the session's 0.03 GiB cache (~6 such images), 2 x 24 distinct images would add ~115 MB without eviction."""
+    from test_mm_cache import assert_memory_plateaus
+
+    client = qwen_engine.client()
+
+    def chat(i: int) -> str:
+        image = Image.effect_noise((448, 448), 40 + i % 50).convert("RGB")  # random noise: distinct every call
+        kwargs = payloads.image_chat_kwargs([image], model=qwen_engine.name, max_tokens=1)
+        return client.chat.completions.create(**kwargs).choices[0].message.content
+
+    assert_memory_plateaus(qwen_engine, chat, phase=24, bound_mib=40)
