@@ -167,16 +167,41 @@ def cxx_compiler(env: dict[str, str] | None = None) -> str | None:
 
 def preflight(settings: Settings, env: dict[str, str] | None = None) -> str | None:
     """Why this engine cannot start here (one line), or None. Settings that would fail minutes into start-up
-    (inductor compiling during vLLM's profile run) are refused before anything starts."""
-    if cxx_compiler(env):
-        return None
-    if settings.runner == "v1":
-        return ("MMCPU_RUNNER=v1 needs a C++ compiler (V1's CPU sampler is torch.compile'd by inductor) and there "
-                "is none here ($CXX / g++); use the default MMCPU_RUNNER=v2, which runs eager")
-    if settings.compile:
-        return ("MMCPU_COMPILE=1 needs a C++ compiler for inductor and there is none here ($CXX / g++); "
-                "leave it off (eager measured as fast for these models: docs/benchmarks.md)")
+    (inductor compiling during vLLM's profile run) are refused before anything starts, and so is an MRV2 engine
+    whose kernels would not all run natively (:func:`kernels_preflight`)."""
+    if not cxx_compiler(env):
+        if settings.runner == "v1":
+            return ("MMCPU_RUNNER=v1 needs a C++ compiler (V1's CPU sampler is torch.compile'd by inductor) and "
+                    "there is none here ($CXX / g++); use the default MMCPU_RUNNER=v2, which runs eager")
+        if settings.compile:
+            return ("MMCPU_COMPILE=1 needs a C++ compiler for inductor and there is none here ($CXX / g++); "
+                    "leave it off (eager measured as fast for these models: docs/benchmarks.md)")
+    if settings.runner == "v2" and settings.triton_interpret:
+        return kernels_preflight(settings)
     return None
+
+
+def kernels_preflight(settings: Settings) -> str | None:
+    """MRV2 under Triton's interpreter: vLLM must load our plugin (mmcpu.plugin installs the kernels in its CPU
+    worker) and, unless ``MMCPU_KERNELS=interpreter`` was chosen, every kernel a request can reach must have a
+    native version whose guard matches the installed vLLM (:mod:`mmcpu.kernels.check`; read from its stamp in
+    milliseconds, else checked once in a subprocess)."""
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "mmcpu" not in plugins.split(","):
+        return (f"VLLM_PLUGINS={plugins!r} leaves out 'mmcpu', the plugin that installs MRV2's native kernels in "
+                "vLLM's CPU worker; add it")
+    if settings.kernels == "interpreter":
+        return None
+    from mmcpu.kernels import check
+
+    problems, _how = check.cached(on_run=lambda: print(
+        "[mmcpu] checking MRV2's kernels against the installed vLLM (once per install, ~10 s of CPU)",
+        file=sys.stderr, flush=True))
+    if not problems:
+        return None
+    more = f" (+{len(problems) - 1} more: python -m mmcpu.kernels check)" if len(problems) > 1 else ""
+    return (f"MRV2 kernel without a native version for this vLLM: {problems[0]}{more}; MMCPU_KERNELS=interpreter "
+            "runs vLLM's own kernels in Triton's interpreter instead (10-100x slower)")
 
 
 def engine_argv(

@@ -169,6 +169,16 @@ def test_032_seed_patches_are_upstream(site):
     assert run("check", "--site", s, "--only", *SEED, P_TRITON).returncode == 0
 
 
+def test_032_cpu_worker_needs_no_patch_of_ours(site):
+    """MRV2's native kernels are installed through vLLM's plugin hook (mmcpu/plugin.py), not by editing
+    cpu_worker.py (the former 0008 conflicted on 0.32.0): what the series still changes there is upstream in 0.32.0
+    (0006, the runner log line)."""
+    worker = [p.name for p in patchtool.read_series(PATCHES) if "vllm/v1/worker/cpu_worker.py" in p.all_files]
+    assert worker == ["0006-cpu-worker-log-v2-runner.patch"]
+    r = run("status", "--site", site("0.32.0"), "--only", *worker)
+    assert r.returncode == 0 and states(r.stdout) == {n: "upstream" for n in worker}, r.stdout
+
+
 def test_upstream_probe_fallback(site):
     """When upstream moved the code so much that even a fuzzy reverse fails, Upstream-Probe decides."""
     s = site("0.32.0")

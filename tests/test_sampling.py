@@ -182,6 +182,6 @@ def test_warm_up_ran_native_only(request, engine_fixture):
     """The worker logs its launch counts after warm-up: all native, none interpreted."""
     engine = request.getfixturevalue(engine_fixture)
     counts = launch_counts(engine.log())
-    assert counts, "no 'MRV2 kernel launches' line in the engine log (patches/0008 not applied?)"
+    assert counts, "no 'MRV2 kernel launches' line in the engine log (mmcpu.plugin not loaded by vLLM?)"
     native, interpreted = counts[0]
     assert native > 0 and interpreted == 0, counts

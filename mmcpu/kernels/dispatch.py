@@ -4,7 +4,8 @@ With the interpreter on, ``@triton.jit`` returns a ``triton.runtime.interpreter.
 ``kernel[grid](*args, **kw)`` calls ``InterpretedFunction.run(*args, grid=grid, warmup=False, **kw)``.
 :func:`install` wraps that one method. A launch whose kernel has a registered native implementation whose
 guard matches (the kernel's argument names and the SHA-256 of its source) runs the torch code instead; any
-other launch runs in the interpreter, as before, and is counted. No vLLM launcher is edited.
+other launch runs in the interpreter, as before (with its gaps filled: :mod:`mmcpu.kernels.interpreter`), and
+is counted. No vLLM launcher is edited. :mod:`mmcpu.plugin` installs it in vLLM's CPU worker.
 
 Native implementations are plain functions ``impl(grid, <the kernel's arguments by name>)`` registered with
 :func:`native`; the guard's argument names are read from that signature, so an implementation cannot silently
@@ -23,10 +24,12 @@ import textwrap
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mmcpu.kernels import interpreter as gaps
 
 # A child of vLLM's logger, so these lines land in the engine log with vLLM's format and level.
 logger = logging.getLogger("vllm.mmcpu.kernels")
@@ -88,16 +91,14 @@ def native(module: str, name: str, *, sha256: str) -> Callable[[Callable[..., An
     return register
 
 
-def kernel_source_sha256(fn: Callable[..., Any]) -> str:
-    """The guard's hash of a kernel: its source (decorator line included, indentation removed) and, by name,
-    the source of every ``@triton.jit`` helper and the value of every ``tl.constexpr`` global it reaches
-    (a kernel's body is its helpers too: gumbel sampling lives in ``gumbel_block_argmax``)."""
-    digest = hashlib.sha256()
+def _reached(fn: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
+    """What a kernel's body is: ``("fn", f)`` for the kernel and, by name, every ``@triton.jit`` helper it reaches
+    (transitively); ``("constexpr", (name, value))`` for every ``tl.constexpr`` global it reads."""
     seen: set[str] = set()
     todo = [fn]
     while todo:
         f = todo.pop()
-        digest.update(textwrap.dedent(inspect.getsource(f)).encode())
+        yield "fn", f
         for name in sorted(set(f.__code__.co_names) - seen):
             value = f.__globals__.get(name)
             inner = getattr(value, "fn", None)
@@ -106,8 +107,25 @@ def kernel_source_sha256(fn: Callable[..., Any]) -> str:
                 todo.append(inner)
             elif type(value).__name__ == "constexpr":
                 seen.add(name)
-                digest.update(f"{name}={value.value!r}".encode())
+                yield "constexpr", (name, value.value)
+
+
+def kernel_source_sha256(fn: Callable[..., Any]) -> str:
+    """The guard's hash of a kernel: its source (decorator line included, indentation removed) and, by name,
+    the source of every ``@triton.jit`` helper and the value of every ``tl.constexpr`` global it reaches
+    (a kernel's body is its helpers too: gumbel sampling lives in ``gumbel_block_argmax``)."""
+    digest = hashlib.sha256()
+    for kind, item in _reached(fn):
+        if kind == "fn":
+            digest.update(textwrap.dedent(inspect.getsource(item)).encode())
+        else:
+            digest.update(f"{item[0]}={item[1]!r}".encode())
     return digest.hexdigest()
+
+
+def kernel_source_files(fn: Callable[..., Any]) -> set[str]:
+    """The source files the guard's hash of ``fn`` reads (the kernel's and its helpers' modules)."""
+    return {inspect.getsourcefile(item) or "" for kind, item in _reached(fn) if kind == "fn"} - {""}
 
 
 def load_native_modules() -> dict[tuple[str, str], NativeKernel]:
@@ -207,7 +225,8 @@ def _decide(kernel: Any) -> NativeKernel | None:
     entry, why = guard(fn, kernel.arg_names) if _mode == "native" else (None, "MMCPU_KERNELS=interpreter")
     if entry is None and _mode == "native":
         # Said at once, at the first launch: a kernel we know whose code moved under us (never run stale native
-        # code), or one with no native version. Either is slow, and sampling may fail in the interpreter.
+        # code), or one with no native version. Either is slow (the start-up check, mmcpu.kernels.check, refuses
+        # an engine whose reachable kernels are not all native; this catches what it cannot see).
         logger.warning("Triton kernel %s.%s runs in the interpreter: %s", fn.__module__, fn.__name__, why)
     _decisions[fn] = entry
     return entry
@@ -256,6 +275,7 @@ def install(mode: str = "native", stats_path: Path | None = None) -> bool:
         return False
     if mode == "native":
         load_native_modules()
+    gaps.apply()  # whatever runs in the interpreter (all in that mode, a stale kernel in native) can sample
     if _mode != mode:
         _decisions.clear()
     _mode = mode
@@ -279,6 +299,7 @@ def uninstall() -> None:
         from triton.runtime.interpreter import InterpretedFunction
 
         InterpretedFunction.run = _original_run
+        gaps.restore()
     if _writer is not None:
         _writer.stopped.set()
         _writer.join(5)

@@ -189,3 +189,59 @@ def test_unwritable_stats_file_warns_and_serving_goes_on(kernel_module, register
         dispatch._writer.join(10)
     assert any("not written" in r.getMessage() for r in caplog.records)
     assert launch(mod)[:5].tolist() == [0, 2, 4, 6, 8]
+
+
+def test_interpreter_gaps_are_filled_while_installed(monkeypatch):
+    """MMCPU_KERNELS=interpreter serves OpenAI's default sampling and top_p / top_k: with the dispatcher installed,
+    libdevice.log1p computes (PyPI triton's stub returns None) and _topk_topp_kernel's tl.range yields tensors;
+    uninstall puts both back as they were."""
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter as triton_interpreter
+    from triton.runtime.errors import InterpreterError
+
+    from vllm.v1.sample.ops.topk_topp_triton import apply_top_k_top_p_triton
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    def stub(*args, **kwargs):  # what PyPI triton's libdevice does without a GPU backend
+        return None
+
+    monkeypatch.setattr(libdevice, "log1p", stub)
+    original_patch_lang = triton_interpreter._patch_lang
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+
+    def sample_and_top_p():
+        tokens = gumbel_sample(logits.clone(), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0.7, 1.0]),
+                               torch.tensor([3, 4]), torch.tensor([5, 6]), apply_temperature=True)
+        kept = apply_top_k_top_p_triton(logits.clone(), torch.tensor([5, 64], dtype=torch.int32),
+                                        torch.tensor([1.0, 0.5]))
+        return tokens, kept
+
+    dispatch.install("interpreter")
+    try:
+        assert libdevice.log1p is not stub
+        tokens, kept = sample_and_top_p()
+    finally:
+        dispatch.uninstall()
+        interpreted = dict(dispatch.STATS.interpreter)
+        dispatch.STATS.interpreter.clear()
+    assert tokens.shape == (2,) and 0 <= int(tokens.min()) and int(tokens.max()) < 64
+    assert int((kept[0] > float("-inf")).sum()) == 5 and 1 <= int((kept[1] > float("-inf")).sum()) < 64
+    assert interpreted.get("_gumbel_sample_kernel") and interpreted.get("_topk_topp_kernel")
+    assert libdevice.log1p is stub and triton_interpreter._patch_lang is original_patch_lang
+    with pytest.raises(InterpreterError):  # without the dispatcher, the interpreter's gaps are back
+        sample_and_top_p()
+
+
+def test_interpreter_gaps_apply_and_restore_are_idempotent():
+    from triton.language.extra import libdevice
+
+    from mmcpu.kernels import interpreter as gaps
+
+    before = {name: getattr(libdevice, name, None) for name in gaps.LIBDEVICE}
+    gaps.apply()
+    filled = {name: getattr(libdevice, name) for name in gaps.LIBDEVICE}
+    gaps.apply()
+    assert {name: getattr(libdevice, name) for name in gaps.LIBDEVICE} == filled
+    gaps.restore()
+    gaps.restore()
+    assert {name: getattr(libdevice, name, None) for name in gaps.LIBDEVICE} == before

@@ -1,51 +1,26 @@
 """Inventory: every @triton.jit function of the installed vLLM's MRV2 worker (and the sampler op and KV zeroer
-it calls) is classified in ``reachability.KERNELS``; every kernel a serving request can reach on CPU has a
-native implementation whose guard (argument names + source hash) matches the installed code.
+it calls) is classified in ``mmcpu.kernels.reachability.KERNELS``; every kernel a serving request can reach on CPU
+has a native implementation whose guard (argument names + source hash) matches the installed code.
 
 Fails when vLLM gains a kernel nobody classified, when a reachable kernel has no native version, or when a
-kernel's code moved since its native version was written (the dispatcher would then fall back to the
-interpreter at run time, with a WARNING).
+kernel's code moved since its native version was written. The first two are also what the image build and the
+engine's start refuse (``mmcpu.kernels.check``, tested in test_check.py); this file adds the checks that only
+keep the list honest (kernels vLLM no longer has, stale natives of unreachable kernels, the scan itself).
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from pathlib import Path
 
 import pytest
-from reachability import KERNELS
 
-from mmcpu.kernels import dispatch
-
-ROOTS = ("vllm.v1.worker.gpu",)
-SINGLE_MODULES = ("vllm.v1.worker.utils", "vllm.v1.sample.ops.topk_topp_triton")
-
-
-def _modules() -> list[str]:
-    import vllm.v1.worker.gpu as gpu
-
-    names = [gpu.__name__]
-    names += [m.name for m in pkgutil.walk_packages(gpu.__path__, prefix=gpu.__name__ + ".")]
-    return names + list(SINGLE_MODULES)
-
-
-def installed_kernels() -> dict[str, object]:
-    """'module:name' -> InterpretedFunction, for every @triton.jit defined in the scanned modules."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    found = {}
-    for name in _modules():
-        mod = importlib.import_module(name)
-        for attr, value in vars(mod).items():
-            if isinstance(value, InterpretedFunction) and value.fn.__module__ == name:
-                found[f"{name}:{value.fn.__name__}"] = value
-    return found
+from mmcpu.kernels import check, dispatch, reachability
+from mmcpu.kernels.reachability import KERNELS
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    found = installed_kernels()
+    found = reachability.installed_kernels()
     assert len(found) > 30, f"only {len(found)} kernels found: is TRITON_INTERPRET=1 set before vLLM imports?"
     return found
 
@@ -53,23 +28,18 @@ def kernels():
 def test_every_kernel_is_classified(kernels):
     unclassified = sorted(set(kernels) - set(KERNELS))
     gone = sorted(set(KERNELS) - set(kernels))
-    assert not unclassified, f"new Triton kernels in vLLM, classify them in reachability.py: {unclassified}"
+    assert not unclassified, f"new Triton kernels in vLLM, classify them in mmcpu/kernels/reachability.py: " \
+        f"{unclassified}"
     assert not gone, f"classified kernels no longer in vLLM: {gone}"
-    bad = {k: v for k, v in KERNELS.items()
-           if not (v in ("native", "helper") or v.startswith("unreachable: "))}
+    bad = {k: v for k, v in KERNELS.items() if not reachability.is_valid_verdict(v)}
     assert not bad, bad
 
 
 def test_every_reachable_kernel_is_native_and_guard_matches(kernels):
-    dispatch.load_native_modules()
-    problems = {}
-    for key, verdict in KERNELS.items():
-        if verdict != "native":
-            continue
-        entry, why = dispatch.guard(kernels[key].fn, kernels[key].arg_names)
-        if entry is None:
-            problems[key] = why
-    assert not problems, problems
+    """The image build's and the engine start's check (mmcpu.kernels.check), on the installed vLLM."""
+    result = check.run()
+    assert not result.problems, [p.line() for p in result.problems]
+    assert result.reachable == len(reachability.reachable()) > 20
 
 
 def test_every_registered_native_kernel_exists_and_guard_matches(kernels):
@@ -88,7 +58,7 @@ def test_scan_finds_kernels_in_every_scanned_file(kernels):
     import vllm
 
     root = Path(vllm.__file__).parent
-    files = [p for p in (root / "v1" / "worker" / "gpu").rglob("*.py") if "@triton.jit" in p.read_text()]
-    files += [root / "v1" / "worker" / "utils.py", root / "v1" / "sample" / "ops" / "topk_topp_triton.py"]
+    files = [p for p in reachability.scanned_files(root) if "@triton.jit" in p.read_text()]
+    assert len(files) > 15
     modules = {".".join(p.relative_to(root.parent).with_suffix("").parts) for p in files}
     assert modules <= {k.split(":")[0] for k in kernels}

