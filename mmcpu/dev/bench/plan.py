@@ -1,0 +1,243 @@
+"""The benchmark's plan, typed: the fixed workload (the same requests at every level), the systems and which one is
+"ours", the levels of each mode and the headline figures. "Ours" is what the audio role serves by default, read from
+the launcher (``mmcpu.launch.role_commands``), so a new default (e.g. int8) is benchmarked without editing this.
+Nothing here starts a process; ``mmcpu.dev.bench.run`` carries the plan out."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+
+from mmcpu.config import Settings
+from mmcpu.dev import speech
+
+# --- the fixed workload ------------------------------------------------------------------------------------------
+SHORT = 0  # a request of the first five words of a sentence (2.1-2.6 s)
+# (sentences of speech.SENTENCES joined end to end, how many requests): 32 requests of ~2-28 s (espeak-ng at 130
+# wpm: one sentence 3.0-5.4 s), leaning short as transcription requests do; ~300 audio-s in all.
+MIX: tuple[tuple[int, int], ...] = ((SHORT, 4), (1, 8), (2, 8), (3, 5), (4, 3), (5, 2), (6, 1), (7, 1))
+SEED = 17  # the order of the requests: shuffled once, the same in every run and at every level
+
+
+class Request(BaseModel):
+    name: str
+    text: str
+    sentences: int  # 0 = a few words
+
+
+def workload(mix: tuple[tuple[int, int], ...] = MIX, seed: int = SEED) -> list[Request]:
+    """The requests of every audio round: sentences joined end to end from rotating starts, shuffled once."""
+    s = speech.SENTENCES
+
+    def words(start: int, n: int) -> int:
+        return sum(len(s[(start + k) % len(s)].split()) for k in range(n))
+
+    texts = []
+    for n, count in mix:
+        for i in range(count):
+            if n == SHORT:
+                texts.append((n, " ".join(s[i % len(s)].split()[:5])))
+                continue
+            # more sentences than there are: start where the total is shortest, to stay inside Whisper's 30 s
+            start = min(range(len(s)), key=lambda j: (words(j, n), j)) if n > len(s) else (i * 2 + n) % len(s)
+            texts.append((n, " ".join(s[(start + k) % len(s)] for k in range(n))))
+    random.Random(seed).shuffle(texts)
+    return [Request(name=f"r{i:02d}", text=t, sentences=n) for i, (n, t) in enumerate(texts)]
+
+
+# --- systems -----------------------------------------------------------------------------------------------------
+class System(BaseModel):
+    key: str
+    label: str
+    engine: Literal["vllm", "faster-whisper"]
+    role: Literal["audio", "vision"] = "audio"
+    ours: bool = False
+    runner: Literal["v2", "v1"] | None = None
+    model: Path  # vLLM: the checkpoint; faster-whisper: filled in with the CTranslate2 folder at run time
+    vllm_args: list[str] = []
+    dtype: str | None = None
+    quantization: str | None = None
+    compute_type: str | None = None  # faster-whisper
+    ct2_source: str | None = None  # faster-whisper: the mmcpu.dev.fixtures.whisper_ct2 source of its weights
+    peers: list[str] = []  # faster-whisper systems measured in this system's phase (ratios pair those rounds)
+
+
+def _pairs(argv: list[str]) -> list[tuple[str, str | None]]:
+    out: list[tuple[str, str | None]] = []
+    for tok in argv:
+        if tok.startswith("--") or not out or out[-1][1] is not None:
+            out.append((tok, None))
+        else:
+            out[-1] = (out[-1][0], tok)
+    return out
+
+
+def role_engine(role: str, settings: Settings) -> tuple[Path, list[str], list[str]]:
+    """The checkpoint the container role serves by default, the vLLM arguments it passes beyond what mmcpu-serve
+    passes for the same model (for ``mmcpu.dev.servers.Engine``), and its whole vLLM command line."""
+    from mmcpu import launch
+
+    ((_, argv, _),) = launch.role_commands(role, settings)
+    full = argv[argv.index("vllm.entrypoints.openai.api_server") + 1 :]
+    opts = _pairs(full)
+    model = dict(opts)["--model"]
+    serve = set(_pairs(launch.engine_argv(model, settings, port=int(dict(opts)["--port"]))[3:]))
+    extra = [x for o in opts if o not in serve and o[0] not in ("--served-model-name", "--host")
+             for x in o if x is not None]  # fmt: skip
+    path = Path(model) if Path(model).is_dir() else settings.models_dir / Path(model).name
+    return path, extra, full
+
+
+def option(args: list[str], name: str) -> str | None:
+    """The last value of ``--name`` in vLLM arguments (vLLM's argparse keeps the last)."""
+    return next((v for o, v in reversed(_pairs(args)) if o == name), None)
+
+
+def quantization(model: Path, args: list[str] = ()) -> str | None:
+    """How a checkpoint is quantised: its config's quantization_config, or a --quantization argument."""
+    try:
+        qc = json.loads((model / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        qc = {}
+    found = " ".join(str(x) for x in (qc.get("quant_method"), qc.get("format")) if x)
+    return found or option(list(args), "--quantization")
+
+
+def ct2_source(model: Path) -> str | None:
+    """The CTranslate2 weights (mmcpu.dev.fixtures.whisper_ct2 source) a checkpoint was converted from: the
+    longest source name its folder name starts with (whisper-tiny.en-int8 -> whisper-tiny.en)."""
+    from mmcpu.dev.fixtures import whisper_ct2
+
+    names = getattr(whisper_ct2, "SOURCES", {"whisper-tiny.en": None})
+    return max((n for n in names if model.name.startswith(n)), key=len, default=None)
+
+
+def vllm_system(key: str, model: Path, args: list[str], full: list[str], *, runner: str = "v2", role: str = "audio",
+                ours: bool = False, peers: list[str] = (), what: str = "") -> System:
+    """A vLLM engine started with ``args`` on top of mmcpu-serve's; ``full``: its whole command line."""
+    dtype, quant = option(full, "--dtype") or "auto", quantization(model, full)
+    name = "MRV2" if runner == "v2" else "V1 runner"
+    label = f"vLLM {name}, {model.name} {dtype}" + (f" {quant}" if quant else "") + (f" ({what})" if what else "")
+    return System(key=key, label=label, engine="vllm", role=role, ours=ours, runner=runner, model=model,
+                  vllm_args=list(args), dtype=dtype, quantization=quant, peers=list(peers))  # fmt: skip
+
+
+def fw_system(source: str, compute_type: str, own_key: bool = True) -> System:
+    key = f"fw_{compute_type}" + ("" if own_key else f":{source}")
+    return System(key=key, label=f"faster-whisper {compute_type}, {source}", engine="faster-whisper",
+                  model=Path(source), compute_type=compute_type, ct2_source=source)  # fmt: skip
+
+
+# --- headline figures --------------------------------------------------------------------------------------------
+class Figure(BaseModel):
+    """One number of results.json's ``headline``: a / b of ``metric`` at ``level`` (wer: a's alone)."""
+
+    key: str
+    metric: Literal["throughput", "p50_s", "rps", "wer"]
+    a: str
+    b: str | None = None
+    level: int | None = None
+    paired: bool = False  # a and b from the rounds taken in a's phase (b: a faster-whisper peer)
+    target: tuple[Literal[">=", "<="], float] | None = None  # issue 17's targets
+
+
+# --- the plan ----------------------------------------------------------------------------------------------------
+class Plan(BaseModel):
+    mode: Literal["full", "quick", "latency"]
+    audio_levels: list[int]
+    vision_levels: list[int]
+    runner_levels: list[int]  # levels of the MRV2/V1 audio figures of the headline
+    reps: int
+    requests: list[Request]
+    vision_requests: int  # chats per vision round (alternately one and two images)
+    long_s: list[int]  # long files, one request at a time
+    fw_grid: list[tuple[int, int]]  # faster-whisper (cpu_threads, num_workers) searched per level
+    fw_search_every: int  # the search sends every k-th request of the workload (the same mix, fewer)
+    fw_batch_size: int  # BatchedInferencePipeline on the long files
+    mixed: int  # requests of the mixed load through the gateway (0: none)
+    mixed_concurrency: int = 8
+    mixed_audio_share: float = 0.4
+    systems: list[System]
+    # which system plays which part in the headline
+    ours: str
+    peer: str  # faster-whisper int8 on ours' weights
+    v1: str
+    float32: str  # the float32, unquantised version of ours (ours itself while the default is float32)
+    vision_ours: str
+    vision_v1: str
+
+    def system(self, key: str) -> System:
+        return next(s for s in self.systems if s.key == key)
+
+    def audio_phases(self) -> list[System]:
+        """The vLLM audio systems in the order they run, each alone (ours first)."""
+        return [s for s in self.systems if s.engine == "vllm" and s.role == "audio"]
+
+    def fw_systems(self) -> list[System]:
+        return [s for s in self.systems if s.engine == "faster-whisper"]
+
+    def figures(self) -> list[Figure]:
+        """The headline, derived from the plan's levels and the parts its systems play."""
+        ours, peer = "audio_default", self.peer.split(":")[0]
+        mrv2_v1 = ">=", 1.05
+        out = [Figure(key=f"{ours}/{peer}@c={c}", metric="throughput", a=self.ours, b=self.peer, level=c,
+                      paired=True, target=(">=", 2.0) if c >= 8 else None) for c in self.audio_levels]
+        out.append(Figure(key=f"p50_{ours}/{peer}@c={self.audio_levels[0]}", metric="p50_s", a=self.ours,
+                          b=self.peer, level=self.audio_levels[0], paired=True, target=("<=", 0.8)))
+        out += [Figure(key=f"mrv2/v1@c={c}", metric="throughput", a=self.ours, b=self.v1, level=c, target=mrv2_v1)
+                for c in self.runner_levels if c in self.audio_levels]
+        out += [Figure(key=f"vision_mrv2/v1@c={c}", metric="rps", a=self.vision_ours, b=self.vision_v1, level=c,
+                       target=mrv2_v1) for c in self.vision_levels]
+        out += [Figure(key=f"wer_{name}", metric="wer", a=key)
+                for name, key in ((ours, self.ours), (peer, self.peer), ("float32", self.float32))]
+        return out
+
+
+MODES = {  # mode -> plan fields; every mode sends the same workload
+    "full": dict(audio_levels=[1, 4, 8, 16], vision_levels=[1, 4], runner_levels=[1, 8], reps=2, long_s=[60, 300],
+                 fw_grid=[(t, w) for t in (1, 2) for w in (1, 2, 4)], fw_search_every=2, mixed=100),
+    "quick": dict(audio_levels=[1, 4], vision_levels=[1, 4], runner_levels=[1, 8], reps=1, long_s=[60],
+                  fw_grid=[(1, 1), (2, 1), (1, 2), (2, 2)], fw_search_every=4, mixed=0),
+    "latency": dict(audio_levels=[1], vision_levels=[1], runner_levels=[1], reps=1, long_s=[], fw_grid=[],
+                    fw_search_every=1, mixed=0),
+}  # fmt: skip
+VARIANTS = ("whisper-tiny.en-int8", "whisper-base")  # measured too when present in the models folder ("auto")
+
+
+def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, **overrides: object) -> Plan:
+    """The plan of ``mode``: ours = the audio role's default engine; V1 with the same checkpoint and arguments;
+    faster-whisper int8 and float32 on ours' weights; the float32 unquantised model when ours is not it; extra
+    checkpoints (``variants``: None = those of VARIANTS present) each with faster-whisper int8 on its weights."""
+    model, args, full = role_engine("audio", settings)
+    source = ct2_source(model) or "whisper-tiny.en"
+    fw8, fw32 = fw_system(source, "int8"), fw_system(source, "float32")
+    ours = vllm_system("audio_default", model, args, full, ours=True, peers=[fw8.key, fw32.key], what="audio default")
+    systems = [ours, vllm_system("v1", model, args, full, runner="v1", peers=[fw8.key]), fw8, fw32]
+    float32 = ours.key
+    if ours.dtype != "float32" or ours.quantization:
+        base = next((p for p in (settings.models_dir / source, model) if p.is_dir() and not quantization(p)), model)
+        f32 = ["--dtype", "float32"]
+        systems.append(vllm_system("float32", base, [*args, *f32], [*full, *f32], peers=[fw8.key],
+                                   what="float32 reference"))
+        float32 = "float32"
+    if variants is None:
+        variants = [settings.models_dir / v for v in VARIANTS if (settings.models_dir / v).is_dir()]
+    for path in variants:
+        if path.resolve() in {s.model.resolve() for s in systems if s.engine == "vllm"}:
+            continue
+        src = ct2_source(path)
+        peers = [fw8.key] if src == source else []
+        if src and src != source:
+            systems.append(fw_system(src, "int8", own_key=False))
+            peers = [systems[-1].key]
+        systems.append(vllm_system(path.name, path, args, full, peers=peers))
+    vmodel, vargs, vfull = role_engine("vision", settings)
+    systems += [vllm_system("vision_mrv2", vmodel, vargs, vfull, role="vision", ours=True),
+                vllm_system("vision_v1", vmodel, vargs, vfull, role="vision", runner="v1")]
+    fields = {**MODES[mode], **{k: v for k, v in overrides.items() if v is not None}}
+    return Plan(mode=mode, requests=workload(), vision_requests=16, fw_batch_size=8, systems=systems, ours=ours.key,
+                peer=fw8.key, v1="v1", float32=float32, vision_ours="vision_mrv2", vision_v1="vision_v1", **fields)

@@ -1,0 +1,236 @@
+"""docs/benchmarks.md from the typed results: the CPU first, then the headline against its targets, the fixed
+workload per level, faster-whisper's search, vision, long files, start-up, memory, profiles and the load record."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mmcpu.config import get_settings
+from mmcpu.dev.bench.results import Results, figure_value, meets
+from mmcpu.dev.bench.stats import LevelStats, ratio
+
+
+def fmt(value: float | None, digits: int = 2, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{value:.0f}{unit}"
+    return f"{value:.{digits}f}{unit}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.4f}×" if value < 0.01 else f"{value:.3g}×"
+
+
+def gib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**30
+
+
+def spread(s: LevelStats | None, key: str = "throughput") -> str:
+    sp = getattr(s, f"{key}_spread", None) if s else None
+    return f" ({fmt(sp[0])}–{fmt(sp[1])})" if sp and s.rounds > 1 else ""
+
+
+def table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> list[str]:
+    header = list(header)
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]  # fmt: skip
+
+
+def method(r: Results) -> list[str]:
+    plan, s = r.plan, get_settings()
+    flagged = [x for x in r.rounds if x.flagged]
+    return [
+        f"Ours = the audio role's default engine as `mmcpu-entrypoint audio` starts it (`mmcpu.launch.role_commands`:"
+        f" checkpoint, dtype, quantisation, role arguments), on MRV2 with native kernels; `v1` = the same with the V1 "
+        f"runner. Launcher defaults: --enforce-eager, {s.kvcache_gib:g} GiB KV cache, --distributed-executor-backend"
+        f" {s.executor}, MMCPU_OMP_THREADS_BIND={s.omp_threads_bind}. Extra engine arguments of this run: "
+        f"`{r.meta.engine_args or 'none'}`.",
+        "Each vLLM system runs ALONE: its engine is started, measured and stopped before the next starts. Its "
+        "faster-whisper peers' rounds are interleaved with its own (order rotating per level) in the same phase; "
+        "the ours/faster-whisper ratios pair the rounds of one phase, the MRV2/V1 ratios compare phases.",
+        f"The workload: the same {len(plan.requests)} transcriptions at every level (`mmcpu.dev.bench.plan.workload`:"
+        " espeak-ng sentences joined end to end, 130 wpm, 16 kHz, shuffled once with a fixed seed). All requests of "
+        f"a round are sent at once with at most *c* in flight; {plan.reps} round(s) per level and system, pooled "
+        "(walls add up; the spread is min-max over rounds). Decoding everywhere: greedy, language en, no timestamps.",
+        f"faster-whisper (in-process in the bench venv, same CTranslate2 weights our checkpoint is converted from) "
+        f"first tries every (cpu_threads, num_workers) of {plan.fw_grid} with num_workers <= c, on every "
+        f"one request in every {plan.fw_search_every}, with no vLLM engine up; the best throughput per level is used "
+        "after. "
+        f"Long files: one request at a time, faster-whisper both plain and through BatchedInferencePipeline "
+        f"(batch_size {plan.fw_batch_size}, its VAD chunking).",
+        f"Vision: {plan.vision_requests} chats per round, alternately one and two 96×96 images, 16 output tokens, "
+        "temperature 0." + (f" Mixed load: {plan.mixed} requests, {plan.mixed_audio_share:.0%} transcriptions, the "
+                            "rest chats of which half use temperature 0.8 / top_p 0.9 / a seed, through the gateway "
+                            f"with ours' two engines up, {plan.mixed_concurrency} in flight." if plan.mixed else ""),
+        "Every round records the 1-minute load average at its start and the cores used by processes outside the "
+        f"benchmark's tree during it; more than {r.meta.foreign_cores_limit} foreign cores flags it. Flagged: "
+        f"{len(flagged)} of {len(r.rounds)}" + (": " + ", ".join(f"{x.kind} {x.system} c={x.concurrency} "
+                                                                  f"({x.foreign_cores})" for x in flagged[:12])
+                                               if flagged else "") + ".",
+        "Cold start = spawn until /health 200 (page cache dropped first when run as root); peak RSS = highest sum of "
+        "RSS over the process tree, sampled every 0.5 s (shared pages count once per process). Profiles: py-spy "
+        "(25 Hz, --nonblocking) on ours' worker during its first round at the lowest and highest level and its "
+        "first vision round. No timing is asserted anywhere (tests/test_bench_stats.py checks the arithmetic).",
+    ]  # fmt: skip
+
+
+def render(r: Results) -> str:
+    plan, meta, cpu = r.plan, r.meta, r.cpu
+    label = {k: s.spec.label for k, s in r.systems.items()}
+    out: list[str] = []
+    w = out.append
+    w("# Benchmarks: the audio role's default against faster-whisper and the V1 runner, one fixed workload\n")
+    w(f"**CPU: {cpu.get('model', '?')}** ({cpu.get('vendor', '?')} family {cpu.get('family', '?')}), "
+      f"{cpu.get('cpus', '?')} CPUs, ISA class **`{cpu.get('isa', '?')}`**, flags "
+      f"{' '.join(cpu.get('flags', [])) or '?'}; vLLM's native ops: {', '.join(cpu.get('vllm_c', [])) or '?'}. "
+      "Figures from another CPU do not carry over (FACTS: bf16 has no hardware support on AVX2-only CPUs).\n")
+    flagged = sum(x.flagged for x in r.rounds)
+    target = "bench" if plan.mode == "full" else f"bench-{plan.mode}"
+    w(f"Generated by `make {target}` (`python -m mmcpu.dev.bench {plan.mode}`) on {meta.date} in "
+      f"{fmt(meta.elapsed_s, 0)} s; raw figures in [`bench/results.json`](bench/results.json), plot "
+      f"[`bench/throughput.png`](bench/throughput.png). Machine: {meta.cpus} CPUs, {fmt(gib(meta.mem_bytes), 0)} "
+      f"GiB, no GPU; load average {meta.loadavg_start} at the start, {meta.loadavg_end} at the end; **{flagged} of "
+      f"{len(r.rounds)} rounds** ran while other processes used more than {meta.foreign_cores_limit} cores"
+      + (" — a quick run, not the full one." if plan.mode != "full" else ".") + "\n")
+
+    w("## Headline (`headline` in results.json)\n")
+    w("Throughput and rps ratios: > 1 means the first system is faster; `p50_...`: < 1 means it is faster. "
+      f"`audio_default` = {label.get(plan.ours, plan.ours)}; `fw_int8` = {label.get(plan.peer, plan.peer)}, at its "
+      "best configuration per level, from the rounds of the same phase.\n")
+    rows = []
+    for f in plan.figures():
+        v = figure_value(r, f)
+        ok = meets(f, v)
+        rows.append((f"`{f.key}`", fmt(v, 3) if f.metric == "wer" else fmt_ratio(v),
+                     f"{f.target[0]} {f.target[1]}" if f.target else "", {True: "yes", False: "**no**"}.get(ok, "")))
+    for key in ("engine_ready_cold_s", "engine_ready_warm_s", "compose_up_to_serving_s", "engine_peak_rss_gib"):
+        if key in r.headline:
+            rows.append((f"`{key}`", fmt(r.headline[key], 2, " GiB" if key.endswith("gib") else " s"), "", ""))
+    out += table(("figure", "value", "target", "met"), rows)
+
+    audio = [k for k, s in r.systems.items() if s.audio]
+    if audio:
+        secs = [c["seconds"] for c in r.clips] or [0.0]
+        bins = [(0, 5), (5, 10), (10, 20), (20, 30)]
+        w(f"## Transcription: the same {len(plan.requests)} requests at every level\n")
+        w(f"{sum(secs):.0f} s of speech, {min(secs):.1f}–{max(secs):.1f} s per request ("
+          + ", ".join(f"{sum(lo <= s < hi for s in secs)} of {lo}–{hi} s" for lo, hi in bins) + "). "
+          "audio-s/s = seconds of audio transcribed per wall second over a round; WER over the level's "
+          "transcriptions.\n")
+        out += table(("system", "c", "rounds", "requests", "failures", "rps", "audio-s/s (spread)", "p50 s", "p95 s",
+                      "WER"),
+                     [(label[k] + (" **(ours)**" if r.systems[k].spec.ours else ""), c, s.rounds, s.n, s.failures,
+                       fmt(s.rps), fmt(s.throughput) + spread(s), fmt(s.p50_s), fmt(s.p95_s), fmt(s.wer, 3))
+                      for k in audio for c, s in sorted(r.systems[k].audio.items())])  # fmt: skip
+        w("![throughput vs concurrency](bench/throughput.png)\n")
+        rows = []
+        for phase, by_who in r.paired.items():
+            for peer in r.systems[phase].spec.peers:
+                for c, a in sorted(by_who.get(phase, {}).items()):
+                    b = by_who.get(peer, {}).get(c)
+                    b = b or LevelStats()
+                    rows.append((label[phase], label.get(peer, peer), c, fmt(a.throughput) + spread(a),
+                                 fmt(b.throughput) + spread(b), fmt_ratio(ratio(a.throughput, b.throughput)),
+                                 fmt_ratio(ratio(a.p50_s, b.p50_s))))  # fmt: skip
+        if rows:
+            w("### Each vLLM system against faster-whisper in its phase\n")
+            out += table(("vLLM system", "peer", "c", "vLLM audio-s/s", "peer audio-s/s", "throughput ratio",
+                          "p50 ratio"), rows)  # fmt: skip
+        w("| system | WER, all its transcriptions | transcriptions |\n|---|---|---|")
+        out += [f"| {label[k]} | {fmt(r.systems[k].wer, 3)} | {r.systems[k].wer_n} |" for k in audio] + [""]
+
+    if r.fw_search:
+        w("## faster-whisper's best configuration per level\n")
+        w("Throughput (audio-s/s) of each `cpu_threads × num_workers` on the search subset; the winner (bold) is "
+          "used for that level's measured rounds.\n")
+        rows = {}
+        for x in r.fw_search:
+            cell = f"{x.cpu_threads}×{x.num_workers}: {fmt(x.throughput)}"
+            rows.setdefault((x.system, x.concurrency), []).append(f"**{cell}**" if x.chosen else cell)
+        out += table(("system", "c", "configurations"), [(label[k], c, ", ".join(v)) for (k, c), v in rows.items()])
+
+    vis = [k for k, s in r.systems.items() if s.vision]
+    if vis:
+        w(f"## Vision (tiny random-weight LLaVA, the same {plan.vision_requests} chats at every level)\n")
+        out += table(("system", "c", "requests", "failures", "rps (spread)", "p50 s", "p95 s"),
+                     [(label[k], c, s.n, s.failures, fmt(s.rps) + spread(s, "rps"), fmt(s.p50_s), fmt(s.p95_s))
+                      for k in vis for c, s in sorted(r.systems[k].vision.items())])  # fmt: skip
+
+    long = [(k, name, s) for k, x in r.systems.items() for name, s in x.long.items()]
+    if long:
+        w("## Long files (real-time factor = wall / audio; < 1 is faster than real time)\n")
+        w("The workload's clips end to end; vLLM splits a file into Whisper's 30 s windows, faster-whisper segments "
+          "it itself (plain) or cuts it with its VAD and decodes the chunks in batches (batched). One at a time.\n")
+        out += table(("system", "file", "audio s", "wall s", "real-time factor", "WER"),
+                     [(label[k], name, fmt(s.audio_s, 1), fmt(s.wall_s, 1), fmt(s.rtf, 3), fmt(s.wer, 3))
+                      for k, name, s in long])  # fmt: skip
+
+    if r.startup:
+        w(f"## Start-up of {label[plan.ours]}\n")
+        cold = r.startup.get("cold")
+        w(("Cold = the first start, page cache " + ("dropped" if cold.page_cache_dropped else "**not** dropped (not "
+                                                    "root)") + "; warm = the second." if cold else
+           "Warm start only (no cold start in this mode).")
+          + " Stages from the engine log's stamps (1 s resolution).\n")  # fmt: skip
+        kinds = list(r.startup)
+        stages = list(dict.fromkeys(st for k in kinds for st in r.startup[k].stages))
+        out += table(("stage", *(f"{k} (s)" for k in kinds)),
+                     [*((st, *(fmt(r.startup[k].stages.get(st), 1) for k in kinds)) for st in stages),
+                      ("**spawn to /health 200**", *(f"**{fmt(r.startup[k].ready_s, 1)}**" for k in kinds))])
+    if r.compose:
+        c = r.compose
+        w(f"Compose start-up not measured: {c['error']}\n" if "error" in c else
+          "`docker compose up -d` (the runtime image) to the gateway serving: "
+          f"**{fmt(c.get('compose_up_to_serving_s'), 1)} s**; to every engine up: "
+          f"{fmt(c.get('compose_up_to_all_engines_s'), 1)} s.\n")  # fmt: skip
+
+    w("## Systems\n")
+    out += table(("system", "ours", "engine", "first start to ready (s)", "peak RSS (GiB)", "worker threads' CPUs",
+                  "faster-whisper cpu_threads × num_workers per level"),
+                 [(s.spec.label, "yes" if s.spec.ours else "", s.spec.engine, fmt(s.ready_s, 1),
+                   fmt(gib(s.peak_rss_bytes)), s.worker_cpus or "",
+                   ", ".join(f"c={c}: {t}×{n}" for c, (t, n) in sorted(s.fw_best.items())))
+                  for s in r.systems.values() if s.ready_s is not None])  # fmt: skip
+
+    if r.mixed:
+        t = r.mixed.total
+        w("## Mixed load through the gateway\n")
+        w(f"{t.n} requests at concurrency {r.mixed.concurrency} to {label[r.mixed.system]} and its vision engine: "
+          f"**{t.failures} failures**, p50 {fmt(t.p50_s)} s, p95 {fmt(t.p95_s)} s, wall {fmt(t.wall_s, 1)} s."
+          + (" Errors: " + "; ".join(f"{n}× {e}" for e, n in t.errors) if t.errors else "") + "\n")
+        out += table(("kind", "requests", "failures", "p50 s", "p95 s"),
+                     [(k, s.n, s.failures, fmt(s.p50_s), fmt(s.p95_s)) for k, s in r.mixed.by_kind.items()])
+    if r.image:
+        w("## Image size\n")
+        out += [f"- {line}" for line in r.image] + [""]
+
+    if r.profile:
+        w("## Profiles (py-spy on the engine's worker process)\n")
+        w("*Self* = the innermost Python frame, including native code it called; vLLM frames inclusive. Samples "
+          "under Triton's interpreter would be charged to their kernels (none with native kernels).\n")
+        for name, p in r.profile.items():
+            if "error" in p:
+                w(f"### {name}\n\nnot profiled: {p['error']}\n")
+                continue
+            w(f"### {name}: {p['samples']} samples, {fmt(100 * (p['interpreter_share'] or 0), 1)} % under Triton's "
+              "interpreter\n")
+            for title, key in (("Triton kernels (inclusive)", "kernels"), ("Python frames (self)", "self_frames"),
+                               ("vLLM frames (inclusive)", "vllm_inclusive")):  # fmt: skip
+                if p.get(key):
+                    w(f"{title}:\n")
+                    rows = [(f"`{x['frame']}`", x["samples"], f"{fmt(100 * x['share'], 1)} %") for x in p[key][:10]]
+                    out += table(("frame", "samples", "share"), rows)
+
+    if r.rounds:
+        w("## Rounds and load\n")
+        out += table(("kind", "phase", "system", "c", "audio-s/s / rps", "load 1m", "foreign cores", "flagged"),
+                     [(x.kind, x.phase, x.system, x.concurrency, fmt(x.rps if x.kind == "vision" else x.throughput),
+                       x.loadavg_1m, x.foreign_cores, "**yes**" if x.flagged else "") for x in r.rounds])
+    w("## Method and caveats\n")
+    out += [f"- {m}" for m in method(r)]
+    if meta.failed:
+        out += ["", "Failures in this run:", *(f"- {f}" for f in meta.failed)]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,446 @@
+"""Carry a plan out: full / quick (measure, then write the report) and latency (print MRV2 vs V1 per request).
+
+Everything runs on 127.0.0.1, one vLLM engine at a time (each system alone; the mixed load alone runs ours' two
+engines behind the gateway). faster-whisper first searches its best (cpu_threads, num_workers) per level with no
+engine up, then its rounds are interleaved with each vLLM system's in that system's phase, so a change in the
+machine's load hits both; every round records the load and the cores other processes used. Nothing is asserted
+about speed: the exit code is 1 only when a system could not be measured or the mixed load had failures.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+import psutil
+
+from mmcpu import cpu
+from mmcpu.config import REPO_ROOT, get_settings
+from mmcpu.dev.bench import inputs, profiles, report
+from mmcpu.dev.bench.plan import Plan, System
+from mmcpu.dev.bench.results import Meta, Mixed, Results, RoundRecord, SearchRow, Startup, SystemResult
+from mmcpu.dev.bench.results import headline, missing
+from mmcpu.dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, CpuWatch, FasterWhisper, Gateway, Http, Profiler,
+                                     RssSampler, log, run_round, worker_cpus, worker_pid)  # fmt: skip
+from mmcpu.dev.bench.stats import Round, merge_rounds, ratio, summarize, wer
+from mmcpu.dev.payloads import test_image
+from mmcpu.dev.servers import Engine
+
+# Published size of upstream's CPU image, for the comparison with ours (see the report for what each figure is).
+UPSTREAM_IMAGE = [
+    "Upstream CPU image `public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.10.2`: **3.4 GB** — figure a "
+    "third-party project records for it, citing the image's gallery page "
+    "https://gallery.ecr.aws/q9t5s3a7/vllm-cpu-release-repo (found with code search; the registry is not "
+    "reachable from here, so it could not be re-measured).",
+    "Upstream CPU image `public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.10.0`: **4.04 GB on disk, 1.29 GB "
+    "compressed pull** — a third-party measurement dated 2026-08-28 (found with code search).",
+    "vLLM's docs name `public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo` and, for later releases, "
+    "`vllm/vllm-openai-cpu:latest-x86_64` on Docker Hub; no published size was found for a release near 0.26.",
+]
+
+
+def loadavg() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("vllm-cpu", "torch", "triton", "transformers", "openai"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def vllm_c_variant() -> list[str]:
+    """Which ``_C`` build vLLM loads on this CPU, asked of a fresh interpreter (this one must not load vLLM)."""
+    code = "import json, vllm._custom_ops; from mmcpu import cpu; print(json.dumps(cpu.loaded_vllm_c()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if done.returncode == 0 and lines else []
+
+
+def drop_page_cache() -> bool:
+    """Drop the kernel's page cache (root only) so the cold start reads vLLM, torch and the model from disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def compose_serving() -> dict:
+    """`scripts/docker-e2e serving`: compose up -d of the current image -> gateway serving / all engines up."""
+    try:
+        done = subprocess.run([str(REPO_ROOT / "scripts" / "docker-e2e"), "serving"], capture_output=True,
+                              text=True, timeout=900)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": str(exc)[:300]}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    log(f"compose: {lines[-1]}")
+    return json.loads(lines[-1])
+
+
+def image_size_lines() -> list[str]:
+    size = None
+    if docker := shutil.which("docker"):
+        try:
+            done = subprocess.run([docker, "image", "inspect", "mmcpu:latest", "--format", "{{.Size}}"],
+                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+            size = int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip().isdigit() else None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    if size:
+        return [f"Ours, `mmcpu:latest` (`docker image inspect`, uncompressed on disk): **{size / 1e9:.2f} GB**, built "
+                "with PyPI's torch 2.11.0, a CUDA build (docker/e2e.mk: the PyTorch CPU index gives a ~3 GB smaller "
+                "image where it is reachable).", *UPSTREAM_IMAGE]  # fmt: skip
+    return ["Ours: no `mmcpu:latest` image on this machine when the run ended (or no docker), so not measured in "
+            "this run; `make image` builds it.", *UPSTREAM_IMAGE]  # fmt: skip
+
+
+def vision_requests(n: int) -> list[list]:
+    """The chats of every vision round: alternately one image and two different ones."""
+    return [[test_image(1)] if i % 2 == 0 else [test_image(2), test_image(3)] for i in range(n)]
+
+
+class Bench:
+    """One run: the engines and peers it started (stopped at the end whatever happens) and what it measured."""
+
+    def __init__(self, plan: Plan, args) -> None:  # noqa: ANN001 - the CLI's namespace
+        self.plan, self.args, self.settings = plan, args, get_settings()
+        self.logs = self.settings.cache_dir / "logs" / "bench"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.bench_python = args.bench_venv / "bin" / "python"
+        self.extra = args.engine_args.split()
+        self.results = Results(
+            cpu={**cpu.current().as_dict(), "vllm_c": vllm_c_variant()}, plan=plan,
+            meta=Meta(date=dt.datetime.now().astimezone().isoformat(timespec="seconds"), host=platform.node(),
+                      cpus=len(os.sched_getaffinity(0)), mem_bytes=psutil.virtual_memory().total,
+                      loadavg_start=loadavg(), versions=versions(), foreign_cores_limit=FOREIGN_CORES_LIMIT,
+                      engine_args=args.engine_args),
+            systems={s.key: SystemResult(spec=s) for s in plan.systems},
+        )  # fmt: skip
+        self.sampler = RssSampler()
+        self.cleanup: list[Callable[[], None]] = []
+        self.fws: dict[str, FasterWhisper] = {}
+        self.audio: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
+        self.paired: dict[str, dict[str, dict[int, list[Round]]]] = defaultdict(
+            lambda: defaultdict(lambda: defaultdict(list)))
+        self.vision: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
+        self.long: dict[str, dict[str, list[Round]]] = defaultdict(lambda: defaultdict(list))
+        self.raw_profiles: dict[str, list[str]] = defaultdict(list)
+
+    @property
+    def failed(self) -> list[str]:
+        return self.results.meta.failed
+
+    # --- processes ---------------------------------------------------------------------------------------------
+    def engine(self, system: System) -> Engine:
+        eng = Engine(system.model, self.logs / f"{system.key}.log", runner=system.runner,
+                     vllm_args=[*system.vllm_args, *self.extra])  # fmt: skip
+        self.cleanup.append(eng.stop)
+        self.sampler.watch(system.key, lambda: eng.proc.pid if eng.proc and eng.proc.poll() is None else None)
+        return eng
+
+    def start(self, eng: Engine, system: System) -> bool:
+        deadline = time.monotonic() + 600
+        while psutil.virtual_memory().available < self.args.min_free_gib * 2**30 and time.monotonic() < deadline:
+            log(f"waiting for {self.args.min_free_gib} GiB of free memory before starting {system.key}")
+            time.sleep(15)
+        log(f"starting {system.label} alone (load {loadavg()})")
+        try:
+            eng.start()
+        except Exception as exc:  # noqa: BLE001 - recorded; the other systems still get measured
+            self.failed.append(f"{system.key}: {str(exc)[:500]}")
+            log(f"{system.key} FAILED to start: {str(exc)[:300]}")
+            return False
+        res = self.results.systems[system.key]
+        res.ready_s, res.worker_cpus = res.ready_s or eng.ready_s, worker_cpus(eng)
+        log(f"{system.key} ready after {eng.ready_s:.0f} s; worker threads on CPUs {res.worker_cpus}")
+        return True
+
+    def warm(self, key: str, call: Callable[[], object]) -> None:
+        try:  # the first request pays lazy initialisation; it is not timed
+            call()
+        except Exception as exc:  # noqa: BLE001 - the timed rounds will show the failure
+            log(f"warm-up of {key} failed: {str(exc)[:300]}")
+
+    def measured(self, kind: str, phase: str, who: str, c: int, fn: Callable[[], Round],
+                 profile: tuple[str, Engine] | None = None) -> Round:  # fmt: skip
+        """One round with its load record; under py-spy on the engine's worker when profile=(title, engine)."""
+        watch = CpuWatch()
+        if profile and not self.args.no_profile:
+            title, eng = profile
+            out = self.logs / f"profile-{len(self.raw_profiles)}-{len(self.raw_profiles[title])}.txt"
+            with Profiler(self.bench_python.parent / "py-spy", worker_pid(eng), out) as prof:
+                rnd = fn()
+            self.raw_profiles[title].append(f"error: {prof.error}" if prof.error else prof.raw())
+        else:
+            rnd = fn()
+        load, s = watch.stop(), rnd.summary()
+        self.results.rounds.append(RoundRecord(kind=kind, phase=phase, system=who, concurrency=c,
+                                               throughput=s.throughput, rps=s.rps, p50_s=s.p50_s,
+                                               failures=s.failures, profiled=bool(profile), **load))  # fmt: skip
+        log(f"{kind:6s} {who:22s} c={c:<2d} {s.ok}/{s.n} ok, {report.fmt(s.throughput)} audio-s/s, "
+            f"{report.fmt(s.rps)} rps, p50 {report.fmt(s.p50_s)} s (load {load['loadavg_1m']}, foreign "
+            f"{load['foreign_cores']} cores){' FLAGGED: other work ran' if load['flagged'] else ''}")
+        return rnd
+
+    # --- phases ------------------------------------------------------------------------------------------------
+    def start_peers(self) -> None:
+        for fw in self.plan.fw_systems():
+            model = inputs.ct2_dir(fw.ct2_source, self.settings.cache_dir)
+            log(f"starting {fw.label} ({model})")
+            peer = FasterWhisper(self.bench_python, model, fw.compute_type, self.logs / f"{fw.key}.log")
+            self.cleanup.append(peer.stop)
+            self.fws[fw.key] = peer
+            self.sampler.watch(fw.key, lambda peer=peer: peer.pid)
+            res = self.results.systems[fw.key]
+            res.spec.model, res.ready_s, res.versions = model, peer.ready_s, peer.versions
+
+    def fw_search(self, clips: list[inputs.Clip]) -> None:
+        """Every (cpu_threads, num_workers) of the grid at every level (num_workers <= level: more replicas than
+        requests in flight change nothing), on every fw_search_every-th request; the best throughput wins."""
+        subset = clips[:: self.plan.fw_search_every]
+        for key, peer in self.fws.items():
+            for c in self.plan.audio_levels:
+                rows = []
+                for t, w in [g for g in self.plan.fw_grid if g[1] <= c] or self.plan.fw_grid[:1]:
+                    fn = lambda t=t, w=w, c=c, peer=peer: peer.audio_round(subset, c, t, w)  # noqa: E731
+                    s = self.measured("search", "", key, c, fn).summary()
+                    rows.append(SearchRow(system=key, concurrency=c, cpu_threads=t, num_workers=w,
+                                          throughput=s.throughput, p50_s=s.p50_s, failures=s.failures))  # fmt: skip
+                best = max(rows, key=lambda r: (r.failures == 0, r.throughput or 0))
+                best.chosen = True
+                self.results.systems[key].fw_best[c] = (best.cpu_threads, best.num_workers)
+                self.results.fw_search += rows
+                log(f"search {key} c={c}: cpu_threads={best.cpu_threads} num_workers={best.num_workers} won")
+
+    def fw_round(self, key: str, clips: list[inputs.Clip], c: int, batch: int = 0) -> Round:
+        threads, workers = self.results.systems[key].fw_best.get(c, (len(os.sched_getaffinity(0)), 1))
+        return self.fws[key].audio_round(clips, c, threads, workers, batch)
+
+    def startup(self, eng: Engine, kind: str, dropped: bool | None = None) -> None:
+        stages = profiles.startup_breakdown(eng.log(), eng.started_at, eng.ready_s, dt.datetime.now().year)
+        self.results.startup[kind] = Startup(ready_s=round(eng.ready_s, 1), stages=stages, page_cache_dropped=dropped)
+        log(f"{kind} start: {eng.ready_s:.1f} s = " + ", ".join(f"{k} {v}" for k, v in stages.items()))
+
+    def audio_phase(self, system: System, clips: list[inputs.Clip], long: list[inputs.Clip]) -> Engine | None:
+        """One vLLM system alone, its faster-whisper peers' rounds interleaved (order rotating per level)."""
+        eng = self.engine(system)
+        if not self.start(eng, system):
+            return None
+        if system.ours:
+            self.startup(eng, "warm")
+        http = Http(eng.base_url, audio_model=eng.name)
+        self.warm(system.key, lambda: http.transcribe(clips[0]))
+        players: dict[str, Callable[[int], Round]] = {system.key: lambda c: http.audio_round(clips, c)}
+        players |= {p: lambda c, p=p: self.fw_round(p, clips, c) for p in system.peers if p in self.fws}
+        levels = self.plan.audio_levels
+        for n, c in enumerate(levels):
+            order = list(players)[n % len(players):] + list(players)[: n % len(players)]
+            for who in order:
+                for rep in range(self.plan.reps):
+                    prof = None
+                    if system.ours and who == system.key and rep == 0 and c in (levels[0], levels[-1]):
+                        prof = (f"Whisper transcription, {system.label}, concurrency {c}", eng)
+                    rnd = self.measured("audio", system.key, who, c, lambda who=who, c=c: players[who](c), prof)
+                    self.audio[who][c].append(rnd)
+                    self.paired[system.key][who][c].append(rnd)
+        if system.ours:  # long files one at a time: ours, faster-whisper int8 (plain, batched), interleaved
+            for clip in long:
+                for who, batch in ((system.key, 0), (self.plan.peer, 0), (self.plan.peer, self.plan.fw_batch_size)):
+                    if who != system.key and who not in self.fws:
+                        continue
+                    fn = (lambda clip=clip: http.audio_round([clip], 1)) if who == system.key else \
+                        (lambda clip=clip, who=who, batch=batch: self.fw_round(who, [clip], 1, batch))
+                    name = clip.name + (f" batched (batch_size {batch})" if batch else "")
+                    self.long[who][name].append(self.measured("long", system.key, who, 1, fn))
+            if self.plan.mixed:
+                return eng  # kept up for the mixed load
+        eng.stop()
+        return None
+
+    def mixed(self, audio: Engine, clips: list[inputs.Clip]) -> Engine | None:
+        """Ours' two engines behind the gateway: transcriptions and image chats, half of them with sampling."""
+        plan, system = self.plan, self.plan.system(self.plan.vision_ours)
+        vision = self.engine(system)
+        if not self.start(vision, system):
+            return None
+        gw = Gateway({"audio": audio.base_url, "vision": vision.base_url}, self.logs / "gateway.log")
+        self.cleanup.append(gw.stop)
+        http = Http(gw.url, audio_model=audio.name, vision_model=vision.name)
+        self.warm("gateway", lambda: http.chat([test_image(1)]))
+        n_audio = round(plan.mixed * plan.mixed_audio_share)
+        kinds = ["audio"] * n_audio + ["vision"] * (plan.mixed - n_audio)
+        random.Random(5).shuffle(kinds)
+        calls, meta, chats = [], [], vision_requests(4)
+        for i, kind in enumerate(kinds):
+            if kind == "audio":
+                clip = clips[i % len(clips)]
+                calls.append(lambda clip=clip: http.transcribe(clip))
+                meta.append((clip.seconds, "audio", clip.text))
+            else:  # half of the chats with sampling options, as clients send them
+                sampling = {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}
+                calls.append(lambda imgs=chats[i % 4], sampling=sampling: http.chat(imgs, **sampling))
+                meta.append((0.0, "vision", None))
+        log(f"mixed load: {plan.mixed} requests at concurrency {plan.mixed_concurrency} via {gw.url}")
+        rnd = run_round(calls, plan.mixed_concurrency, meta)
+        by_kind = {k: summarize([s for s in rnd.samples if s.kind == k], rnd.wall_s) for k in ("audio", "vision")}
+        self.results.mixed = Mixed(system=plan.ours, concurrency=plan.mixed_concurrency, total=rnd.summary(),
+                                   by_kind=by_kind)  # fmt: skip
+        total = self.results.mixed.total
+        log(f"mixed load: {total.failures} failures, p95 {report.fmt(total.p95_s)} s, wall {total.wall_s:.0f} s")
+        if total.failures:
+            self.failed.append(f"mixed load: {total.failures} failures: {total.errors}")
+        gw.stop()
+        return vision
+
+    def vision_phase(self, system: System, eng: Engine | None = None) -> None:
+        eng = eng or self.engine(system)
+        if eng.proc is None and not self.start(eng, system):
+            return
+        http = Http(eng.base_url, vision_model=eng.name)
+        self.warm(system.key, lambda: http.chat([test_image(1)]))
+        chats = vision_requests(self.plan.vision_requests)
+        for c in self.plan.vision_levels:
+            for rep in range(self.plan.reps):
+                prof = (f"LLaVA chats, {system.label}", eng) if system.ours and rep == 0 else None
+                self.vision[system.key][c].append(
+                    self.measured("vision", system.key, system.key, c, lambda c=c: http.vision_round(chats, c), prof))
+        eng.stop()
+
+    # --- the run -----------------------------------------------------------------------------------------------
+    def run(self) -> Results:
+        t0, plan, cache = time.monotonic(), self.plan, self.settings.cache_dir
+        self.sampler.start()
+        try:
+            log(f"load average {loadavg()}; synthesizing the workload, extracting the CTranslate2 weights")
+            clips = inputs.clips(plan.requests, cache / "bench" / "clips")
+            self.results.clips = [{"name": c.name, "seconds": round(c.seconds, 2), "sentences": r.sentences}
+                                  for c, r in zip(clips, plan.requests, strict=True)]  # fmt: skip
+            long = inputs.long_files(clips, cache / "bench" / "clips", plan.long_s)
+            self.start_peers()
+            self.fw_search(clips)
+            ours = plan.system(plan.ours)
+            if plan.mode == "full":  # a cold start: the page cache dropped (the whole machine's: not in quick)
+                cold, dropped = self.engine(ours), drop_page_cache()
+                if self.start(cold, ours):
+                    self.startup(cold, "cold", dropped)
+                    cold.stop()
+            kept = None
+            for system in plan.audio_phases():
+                kept = self.audio_phase(system, clips, long) or kept
+            vision = self.mixed(kept, clips) if kept else None
+            if kept:
+                kept.stop()
+            for system in (plan.system(plan.vision_ours), plan.system(plan.vision_v1)):
+                self.vision_phase(system, vision if system.key == plan.vision_ours else None)
+        finally:
+            for stop in reversed(self.cleanup):
+                try:
+                    stop()
+                except Exception as exc:  # noqa: BLE001 - keep stopping the rest
+                    log(f"cleanup: {exc}")
+            self.sampler.stop_event.set()
+            self.sampler.join(5)
+        self.collect()
+        if not self.args.no_compose:
+            self.results.compose = compose_serving()  # after every engine of ours stopped: the stack alone
+        self.results.image = image_size_lines()
+        self.results.meta.loadavg_end, self.results.meta.elapsed_s = loadavg(), time.monotonic() - t0
+        self.results.headline = headline(self.results)
+        if gaps := missing(self.results):
+            log(f"headline figures not measured in this run: {', '.join(gaps)}")
+        return self.results
+
+    def collect(self) -> None:
+        res = self.results
+        for who, per_level in self.audio.items():
+            sys_ = res.systems[who]
+            sys_.audio = {c: merge_rounds(rs) for c, rs in per_level.items()}
+            samples = [s for rs in per_level.values() for r in rs for s in r.samples]
+            sys_.wer, sys_.wer_n = wer(samples), sum(1 for s in samples if s.ok)
+            sys_.examples = sorted({(s.ref, s.text) for s in samples if s.ok})[:6]
+        res.paired = {phase: {who: {c: merge_rounds(rs) for c, rs in per.items()} for who, per in by_who.items()}
+                      for phase, by_who in self.paired.items()}  # fmt: skip
+        for key, per_level in self.vision.items():
+            res.systems[key].vision = {c: merge_rounds(rs) for c, rs in per_level.items()}
+        for who, per_file in self.long.items():
+            res.systems[who].long = {name: merge_rounds(rs) for name, rs in per_file.items()}
+        for title, raws in self.raw_profiles.items():
+            ok = [r for r in raws if not r.startswith("error: ")]
+            res.profile[title] = profiles.profile_summary("".join(ok)) if "".join(ok).strip() else \
+                {"error": "; ".join(r for r in raws if r not in ok) or "no samples"}
+        for key, peak in self.sampler.peak.items():
+            if peak and key in res.systems:
+                res.systems[key].peak_rss_bytes = peak
+
+
+def write(results: Results, out_dir: Path, bench_python: Path) -> int:
+    """results.json, the plot (bench venv) and benchmarks.md (docs/bench/analysis.md appended) under out_dir."""
+    (out_dir / "bench").mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "bench" / "results.json"
+    json_path.write_text(results.model_dump_json(indent=2) + "\n")
+    png = out_dir / "bench" / "throughput.png"
+    plot = subprocess.run([str(bench_python), "-P", str(PEER), "plot", "--json", str(json_path), "--out", str(png)])
+    analysis = REPO_ROOT / "docs" / "bench" / "analysis.md"
+    extra = "\n" + analysis.read_text() if analysis.is_file() else ""
+    (out_dir / "benchmarks.md").write_text(report.render(results) + extra)
+    log(f"wrote {out_dir / 'benchmarks.md'}, {json_path}, {png}")
+    for f in results.meta.failed:
+        print(f"error: {f}", file=sys.stderr)
+    if plot.returncode != 0:
+        print("error: the plot failed", file=sys.stderr)
+    return 1 if plot.returncode != 0 or results.meta.failed else 0
+
+
+def latency(plan: Plan, args) -> int:  # noqa: ANN001 - the CLI's namespace
+    """Per-request latency, MRV2 against V1, one request at a time, plus ready time and RSS per engine."""
+    settings = get_settings()
+    logs = settings.cache_dir / "logs" / "bench"
+    clips = inputs.clips(plan.requests[: args.requests], settings.cache_dir / "bench" / "clips")
+    rows = []
+    for key in (plan.ours, plan.v1, plan.vision_ours, plan.vision_v1):
+        system = plan.system(key)
+        with Engine(system.model, logs / f"latency-{key}.log", runner=system.runner,
+                    vllm_args=[*system.vllm_args, *args.engine_args.split()]) as eng:  # fmt: skip
+            http = Http(eng.base_url, audio_model=eng.name, vision_model=eng.name)
+            if system.role == "audio":
+                http.transcribe(clips[0])  # warm-up
+                rnd = http.audio_round(clips, 1)
+            else:
+                http.chat([test_image(1)])
+                rnd = http.vision_round(vision_requests(args.requests), 1)
+            lat = [s.latency_s for s in rnd.samples if s.ok]
+            s = rnd.summary()
+            rows.append({"system": key, "model": system.model.name, "runner": system.runner,
+                         "ready_s": round(eng.ready_s, 1), "rss_gib": round(eng.rss_bytes() / 2**30, 2),
+                         "p50_s": s.p50_s, "min_s": min(lat, default=None), "max_s": max(lat, default=None),
+                         "requests": s.n, "failures": s.failures})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'system':<16}{'model':<20}{'runner':<8}{'ready s':>9}{'RSS GiB':>9}{'p50 s':>9}{'min s':>9}{'max s':>9}")
+    for r in rows:
+        print(f"{r['system']:<16}{r['model']:<20}{r['runner']:<8}{r['ready_s']:>9}{r['rss_gib']:>9}"
+              + "".join(f"{report.fmt(r[k], 3):>9}" for k in ("p50_s", "min_s", "max_s")))
+    for a, b in ((rows[0], rows[1]), (rows[2], rows[3])):
+        print(f"{a['model']}: MRV2 / V1 p50 latency = {report.fmt_ratio(ratio(a['p50_s'], b['p50_s']))}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 1 if any(r["failures"] for r in rows) else 0
+
