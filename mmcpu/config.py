@@ -66,8 +66,9 @@ class Settings(BaseSettings):
     )
     kernels: Literal["native", "interpreter"] = Field(
         "native",
-        description="MRV2's Triton kernels: 'native' = torch implementations (mmcpu.kernels), falling back to "
-        "the interpreter per kernel when its guard does not match; 'interpreter' = all in Triton's interpreter",
+        description="MRV2's Triton kernels: 'native' = torch implementations (mmcpu.kernels); an engine whose "
+        "reachable kernels lack a matching native version refuses to start. 'interpreter' = vLLM's own kernels in "
+        "Triton's interpreter (a reference, 10-100x slower; float32/float16 models only)",
     )
     kernel_stats: Path | None = Field(
         None, description="file where an MRV2 engine keeps its kernel launch counts (JSON: native / interpreted "
@@ -105,6 +106,14 @@ class Settings(BaseSettings):
         15, ge=0, description="timeout of the healthcheck's 1-token request to an engine (a hung EngineCore fails "
         "it); 0 = no such request, /health only"
     )
+    watchdog_interval_s: float = Field(
+        10, ge=0, description="the launcher checks each engine it runs for progress this often (the healthcheck's "
+        "test: token counters, else a 1-token request bounded by MMCPU_HEALTH_PROBE_S); 0 = no watchdog"
+    )
+    watchdog_failures: int = Field(
+        2, ge=1, description="consecutive failed progress checks after which the launcher kills a hung engine and "
+        "exits 1 (the restart policy / kubelet then restarts it)"
+    )
 
     # --- gateway -------------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="address the gateway and the engines listen on")
@@ -133,6 +142,10 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(
         1, gt=0, description="timeout of connecting to an engine: the longest a request waits before a 503 for an "
         "engine that stopped answering"
+    )
+    stall_s: float = Field(
+        30, ge=0, description="the gateway marks an engine down (503 engine_unavailable, in-flight requests "
+        "included) when requests wait on it this long and its token counters do not move; 0 = never"
     )
     drain_s: float = Field(
         120, ge=0, description="on SIGTERM, in-flight requests may still run this long (engines: vLLM "

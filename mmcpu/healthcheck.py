@@ -9,6 +9,8 @@ What each role's check means:
   the check also sends one bounded 1-token request (a 1-token completion; for Whisper a 0.5 s silent clip with
   ``max_completion_tokens=1``) straight to the engine and fails when it does not finish within
   ``MMCPU_HEALTH_PROBE_S``.
+  The launcher runs the same test (:func:`progress_check`) from its watchdog and restarts a hung engine
+  (mmcpu.launch.Watchdog); on Kubernetes this module is the engines' exec livenessProbe.
 - **gateway**: the gateway's own ``/ping`` (liveness of the gateway process itself); the engines have their own
   checks, and the gateway's ``/health`` (readiness, per engine) is for load balancers.
 - **all** (the three in one container): all of the above.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -86,34 +89,84 @@ def multipart(fields: dict[str, str], file: bytes) -> tuple[bytes, str]:
     return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
 
 
-def probe_engine(name: str, port: int, timeout: float, probe_s: float) -> str:
+def progress_check(name: str, port: int, timeout: float, probe_s: float, before: float | None) -> tuple[str, float]:
+    """One check of an engine: (verdict, token count now). Raises Unhealthy (or NotServed) when it fails.
+
+    /health first (a dead EngineCore), then progress: token counters that moved since ``before`` prove the core
+    is stepping (a busy engine needs nothing more); else one 1-token request must finish within ``probe_s``
+    (a hung core never finishes it, however well its API server still answers /health and /metrics)."""
     base = f"http://127.0.0.1:{port}"
     request(f"{base}/health", timeout)  # 503 once the EngineCore is dead
-    # Progress since the last check proves the core is stepping; no extra work for a busy engine.
-    state = STATE_DIR / f"mmcpu-health-{port}.json"
     tokens = token_count(request(f"{base}/metrics", timeout).decode())
+    if before is not None and tokens > before:
+        return "ok (progress)", tokens
+    if probe_s == 0:
+        return "ok (/health only)", tokens
+    model = json.loads(request(f"{base}/v1/models", timeout))["data"][0]["id"]
+    t0 = time.monotonic()
+    try:
+        if name == "audio":
+            body, ctype = multipart({"model": model, "language": "en", "max_completion_tokens": "1",
+                                     "temperature": "0", "response_format": "json"}, silent_wav())
+            request(f"{base}/v1/audio/transcriptions", probe_s, body, {"Content-Type": ctype})
+        else:
+            body = json.dumps({"model": model, "prompt": "a", "max_tokens": 1, "temperature": 0}).encode()
+            request(f"{base}/v1/completions", probe_s, body, {"Content-Type": "application/json"})
+    except Unhealthy as exc:
+        raise Unhealthy(f"no progress: {exc} (1-token probe, bound {probe_s:g}s){heartbeat_note(port)}") from None
+    elapsed = time.monotonic() - t0
+    tokens = token_count(request(f"{base}/metrics", timeout).decode())
+    return f"ok (1-token probe {elapsed:.2f}s)", tokens
+
+
+def heartbeat_note(port: int) -> str:
+    """A hint for the failure line: the age of the EngineCore's kernel-stats heartbeat (mmcpu.kernels.dispatch
+    StatsWriter, rewritten every second while the process runs; it stops when the core is stopped, not when
+    Python deadlocks, so it only explains, never decides)."""
+    age = heartbeat_age(get_settings().kernel_stats or Path(tempfile.gettempdir()) / f"mmcpu-kernels-{port}.json")
+    return "" if age is None else f"; EngineCore heartbeat {age:.0f}s old"
+
+
+def heartbeat_age(path: Path) -> float | None:
+    try:
+        return max(0.0, time.time() - float(json.loads(path.read_text())["time"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def watchdog_file(port: int) -> Path:
+    return STATE_DIR / f"mmcpu-watchdog-{port}.json"
+
+
+def record_watchdog_pass(port: int) -> None:
+    """The launcher's watchdog proved progress on ``port`` just now (wall clock)."""
+    try:
+        watchdog_file(port).write_text(json.dumps({"time": time.time()}))
+    except OSError:
+        pass
+
+
+def watchdog_pass_age(port: int) -> float | None:
+    try:
+        return max(0.0, time.time() - float(json.loads(watchdog_file(port).read_text())["time"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def probe_engine(name: str, port: int, timeout: float, probe_s: float, fresh_s: float = 0) -> str:
+    """:func:`progress_check` with the token count kept between runs in a file (each run is a new process).
+    A progress check the launcher's watchdog passed within ``fresh_s`` stands in for the 1-token request."""
+    if fresh_s and (age := watchdog_pass_age(port)) is not None and age <= fresh_s:
+        request(f"http://127.0.0.1:{port}/health", timeout)
+        return f"ok (launcher watchdog passed {age:.0f}s ago)"
+    state = STATE_DIR / f"mmcpu-health-{port}.json"
     try:
         before = json.loads(state.read_text())["tokens"]
     except (OSError, ValueError, KeyError):
         before = None
-    if before is not None and tokens > before:
-        state.write_text(json.dumps({"tokens": tokens}))
-        return "ok (progress)"
-    if probe_s == 0:
-        return "ok (/health only)"
-    model = json.loads(request(f"{base}/v1/models", timeout))["data"][0]["id"]
-    t0 = time.monotonic()
-    if name == "audio":
-        body, ctype = multipart({"model": model, "language": "en", "max_completion_tokens": "1",
-                                 "temperature": "0", "response_format": "json"}, silent_wav())
-        request(f"{base}/v1/audio/transcriptions", probe_s, body, {"Content-Type": ctype})
-    else:
-        body = json.dumps({"model": model, "prompt": "a", "max_tokens": 1, "temperature": 0}).encode()
-        request(f"{base}/v1/completions", probe_s, body, {"Content-Type": "application/json"})
-    elapsed = time.monotonic() - t0
-    tokens = token_count(request(f"{base}/metrics", timeout).decode())
+    verdict, tokens = progress_check(name, port, timeout, probe_s, before)
     state.write_text(json.dumps({"tokens": tokens}))
-    return f"ok (1-token probe {elapsed:.2f}s)"
+    return verdict
 
 
 def probe_gateway(port: int, timeout: float) -> str:
@@ -145,7 +198,10 @@ def main() -> int:
             if name == "gateway":
                 results[name] = probe_gateway(ports[name], settings.health_timeout_s)
             else:
-                results[name] = probe_engine(name, ports[name], settings.health_timeout_s, settings.health_probe_s)
+                # The watchdog passes every interval (+ its probe's bound): older than two of those, check here.
+                fresh_s = 2 * settings.watchdog_interval_s + settings.health_probe_s if settings.watchdog_interval_s else 0
+                results[name] = probe_engine(name, ports[name], settings.health_timeout_s, settings.health_probe_s,
+                                             fresh_s)
         except NotServed:
             # Auto-detection: a refused port is not this container's. A named role's port must answer.
             if wanted is not None:

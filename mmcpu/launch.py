@@ -11,6 +11,7 @@ module ``vllm.entrypoints.openai.api_server`` avoids that without faking package
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,12 +254,81 @@ def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None 
     return {"audio": [audio], "vision": [vision], "gateway": [gateway], "all": [audio, vision, gateway]}[role]
 
 
+class Watchdog(threading.Thread):
+    """Checks one engine child for progress every ``interval`` seconds, in a thread (a check may block for the
+    probe's bound; the supervisor's loop must stay free for signals): the healthcheck's test
+    (:func:`mmcpu.healthcheck.progress_check`: token counters moved, else a 1-token request finishes within
+    ``probe_s``). ``verdict`` is set, and the thread ends, after ``failures`` failed checks in a row. Checks
+    before the engine served its first request do not count (vLLM accepts connections while it is still loading),
+    and until then only /health is asked."""
+
+    def __init__(self, name: str, port: int, *, interval: float, failures: int, timeout: float,
+                 probe_s: float) -> None:
+        super().__init__(name=f"mmcpu-watchdog-{name}", daemon=True)
+        self.engine, self.port, self.interval, self.failures = name, port, interval, failures
+        self.timeout, self.probe_s = timeout, probe_s
+        self.stopped = threading.Event()
+        self.verdict: str | None = None
+        self.serving = False
+
+    def run(self) -> None:
+        from mmcpu import healthcheck
+
+        tokens: float | None = None
+        failed: list[str] = []
+        first_failure = 0.0
+        while not self.stopped.wait(self.interval):
+            try:
+                # Unarmed (no request served yet): /health only, so the first request an engine sees is a
+                # client's (the unpatched proof relies on that) and an engine nobody uses is not probed.
+                probe_s = self.probe_s if self.serving else 0
+                _, tokens = healthcheck.progress_check(self.engine, self.port, self.timeout, probe_s, tokens)
+            except (healthcheck.Unhealthy, healthcheck.NotServed, ValueError, KeyError, IndexError) as exc:
+                if not self.serving:
+                    continue
+                if not failed:
+                    first_failure = time.monotonic()
+                failed.append(str(exc) or "not listening")
+                if len(failed) >= self.failures:
+                    self.verdict = (f"no progress in {len(failed)} checks over "
+                                    f"{time.monotonic() - first_failure + self.probe_s:.0f}s: {failed[-1]}")
+                    return
+                continue
+            if self.serving and self.probe_s:
+                healthcheck.record_watchdog_pass(self.port)  # the image's healthcheck then need not probe too
+            self.serving = self.serving or tokens > 0
+            failed.clear()
+
+
+def watchdogs(settings: Settings, engines: dict[str, tuple[int, str]]) -> dict[str, Watchdog]:
+    """One :class:`Watchdog` per engine child, ``{child name: (port, kind)}`` with kind ``audio`` (probed with a
+    transcription) or ``vision`` (a completion). ``MMCPU_WATCHDOG_INTERVAL_S=0``: none."""
+    if not settings.watchdog_interval_s:
+        return {}
+    return {name: Watchdog(kind, port, interval=settings.watchdog_interval_s, failures=settings.watchdog_failures,
+                           timeout=settings.health_timeout_s, probe_s=settings.health_probe_s)
+            for name, (port, kind) in engines.items()}
+
+
+def model_kind(model: str) -> str:
+    """How the watchdog probes a model: ``audio`` for an encoder-decoder speech model (Whisper), else ``vision``
+    (a text completion, which every chat / vision-language model answers)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "audio" if "whisper" in model.lower() else "vision"
+    speech = "whisper" in str(config.get("model_type", "")).lower() or any(
+        "Whisper" in a for a in config.get("architectures") or [])
+    return "audio" if speech else "vision"
+
+
 def supervise(
     commands: list[tuple[str, list[str], dict[str, str]]],
     role: str = "engine",
     *,
     drain_s: float = 0,
     ports: dict[str, int] | None = None,
+    watch: dict[str, Watchdog] | None = None,
 ) -> int:
     """Run the processes as children; stop all of them when one exits or on SIGTERM/SIGINT (container stop).
 
@@ -266,14 +337,22 @@ def supervise(
     return code is non-zero, so `docker compose logs` shows the reason and the restart policy brings it back.
     On a stop, a child still running after its drain time (``drain_s`` if it serves its port, else only
     STARTUP_GRACE_S: vLLM ignores SIGTERM while it starts) is killed with its descendants.
+
+    A hung engine (``watch``: its :class:`Watchdog` gave up on it) is killed with its descendants at once (a
+    stopped or deadlocked process does not drain), with one line saying why, and the others are stopped: exit 1.
     """
     procs = {name: subprocess.Popen(argv, env=env) for name, argv, env in commands}
+    watch = watch or {}
+    for dog in watch.values():
+        dog.start()
     stopping = False
     deadlines: dict[str, float] = {}
 
     def stop(signum: int, _frame: object) -> None:
         nonlocal stopping
         stopping = True
+        for dog in watch.values():
+            dog.stopped.set()
         for name, proc in procs.items():
             if proc.poll() is None and name not in deadlines:
                 port = (ports or {}).get(name)
@@ -290,6 +369,14 @@ def supervise(
     signal.signal(signal.SIGINT, requested)
     rc = 0
     while procs:
+        for name, dog in watch.items():
+            if dog.verdict and not stopping and name in procs:
+                label = name if name == "engine" else f"{name} engine"
+                print(f"[mmcpu] {role}: {label} hung ({dog.verdict}); killing it and exiting 1",
+                      file=sys.stderr, flush=True)
+                kill_tree(procs[name].pid)
+                rc = 1
+                stop(signal.SIGTERM, None)
         for name, proc in list(procs.items()):
             code = proc.poll()
             if code is None:
@@ -314,10 +401,11 @@ def supervise(
 
 
 def run(commands: list[tuple[str, list[str], dict[str, str]]], role: str = "engine",
-        settings: Settings | None = None, ports: dict[str, int] | None = None) -> int:
+        settings: Settings | None = None, ports: dict[str, int] | None = None,
+        watch: dict[str, Watchdog] | None = None) -> int:
     # Always as children, never exec: only a parent can tell a requested stop from a death (see supervise).
     settings = settings or get_settings()
-    return supervise(commands, role, drain_s=settings.drain_s, ports=ports)
+    return supervise(commands, role, drain_s=settings.drain_s, ports=ports, watch=watch)
 
 
 def log_cpu(role: str) -> None:
@@ -347,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{shlex.join(cmd)}",
           file=sys.stderr, flush=True)
     log_cpu("engine")
-    return run([("engine", cmd, engine_env(settings, port=args.port))], "engine", settings, {"engine": args.port})
+    return run([("engine", cmd, engine_env(settings, port=args.port))], "engine", settings, {"engine": args.port},
+               watchdogs(settings, {"engine": (args.port, model_kind(args.model))}))
 
 
 def entrypoint(argv: list[str] | None = None) -> int:
@@ -365,7 +454,8 @@ def entrypoint(argv: list[str] | None = None) -> int:
         return 2
     ports = {"audio": settings.audio_port, "vision": settings.vision_port}
     log_cpu(args.role)
-    return run(role_commands(args.role, settings), args.role, settings, ports)
+    engines = {name: (ports[name], name) for name in ("audio", "vision") if args.role in (name, "all")}
+    return run(role_commands(args.role, settings), args.role, settings, ports, watchdogs(settings, engines))
 
 
 if __name__ == "__main__":

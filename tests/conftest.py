@@ -16,7 +16,7 @@ import pytest
 
 from mmcpu.dev import speech, wheels
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings
-from mmcpu.dev.servers import Engine, assert_native_then_stop
+from mmcpu.dev.servers import assert_native_then_stop, test_engine
 
 SETTINGS = get_settings()
 VLLM_VERSION = "0.26.0"
@@ -60,19 +60,9 @@ def patched_vllm() -> Path:
     return site
 
 
-# The session engines' multimodal processor cache (MMCPU_MM_CACHE_GIB): ~31 Whisper windows, so the session's
-# traffic runs through eviction too, and tests/test_mm_cache.py can fill it many times over in seconds.
-MM_CACHE_GIB = 0.03
-
-
-def _engine(model: Path, logs_dir: Path, tag: str, **kwargs) -> Engine:
-    kwargs["env"] = {"MMCPU_MM_CACHE_GIB": str(MM_CACHE_GIB), **kwargs.get("env", {})}
-    return Engine(model=model, log_path=logs_dir / f"{model.name}-{tag}.log", **kwargs)
-
-
 @pytest.fixture(scope="session")
 def whisper_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
-    engine = _engine(whisper_model, logs_dir, "mrv2-patched").start()
+    engine = test_engine(whisper_model, logs_dir, "mrv2-patched").start()
     print(f"\n[whisper MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)
@@ -80,7 +70,7 @@ def whisper_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
 
 @pytest.fixture(scope="session")
 def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
-    engine = _engine(llava_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
+    engine = test_engine(llava_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
     print(f"\n[llava MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)

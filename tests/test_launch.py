@@ -117,7 +117,7 @@ def test_exit_status_of_a_signalled_child():
 
 def test_entrypoint_writes_the_role_for_the_healthcheck(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(launch, "run", lambda commands, role, settings, ports: seen.update(role=role) or 0)
+    monkeypatch.setattr(launch, "run", lambda commands, role, settings, ports, *_: seen.update(role=role) or 0)
     monkeypatch.setattr(launch, "ROLE_FILE", tmp_path / "role")
     assert launch.entrypoint(["vision"]) == 0
     assert seen["role"] == "vision"

@@ -8,9 +8,10 @@ import pytest
 
 from mmcpu.config import VISION_LIMIT_ARGS
 from mmcpu.dev.payloads import image_chat_kwargs, test_image
-from mmcpu.dev.servers import MRV2_LOG_LINE, assert_native_then_stop
+from mmcpu.config import get_settings
+from mmcpu.dev.servers import MRV2_LOG_LINE, assert_native_then_stop, test_engine
 
-from conftest import SETTINGS, _engine
+SETTINGS = get_settings()
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ def smol_engine(patched_vllm, logs_dir):
     from mmcpu.dev.fixtures import llava_smollm2
 
     model = llava_smollm2.build(SETTINGS.models_dir / "llava-smollm2", wheel_cache=SETTINGS.cache_dir / "wheels")
-    engine = _engine(model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
+    engine = test_engine(model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
     print(f"\n[llava-smollm2 MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)

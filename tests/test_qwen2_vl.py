@@ -19,10 +19,8 @@ transformers = pytest.importorskip("transformers")  # the fixture needs the engi
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings  # noqa: E402
 from mmcpu.dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
 from mmcpu.dev.fixtures import qwen2_vl  # noqa: E402
-from mmcpu.dev.servers import MRV2_LOG_LINE, Engine  # noqa: E402
+from mmcpu.dev.servers import MRV2_LOG_LINE, Engine, test_engine  # noqa: E402
 from PIL import Image  # noqa: E402
-
-from conftest import _engine  # noqa: E402
 
 slow = pytest.mark.slow
 
@@ -251,7 +249,7 @@ def v1_starting(qwen_model: Path, patched_vllm: Path, logs_dir: Path):
 def qwen_engine(qwen_model: Path, patched_vllm: Path, logs_dir: Path, v1_starting: _Starting):
     from mmcpu.dev.servers import assert_native_then_stop
 
-    engine = _engine(qwen_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS)  # the session's small mm cache
+    engine = test_engine(qwen_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS)  # the session's small mm cache
     engine.start()
     print(f"\n[qwen2-vl MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine

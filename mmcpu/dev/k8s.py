@@ -390,13 +390,18 @@ def probe_window(probe: Obj) -> int:
     return probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
 
 
-# What each probe asks, as in the compose stack: an engine's every probe is vLLM's /health, which fails
-# once its EngineCore is dead; the gateway is live while its process answers /ping and ready while
+# What each probe asks, as in the compose stack: an engine starts and is ready on vLLM's /health, which fails
+# once its EngineCore is dead; it is live while the image's progress check passes (`python -m
+# mmcpu.healthcheck`: /health answers while a core hangs, so a live engine must also move its token counters or
+# finish a bounded 1-token request). The gateway is live while its process answers /ping and ready while
 # /health says at least one engine is ready (503 when none).
 PROBE_PATHS = {
-    "engine": {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/health"},
+    "engine": {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "mmcpu.healthcheck"},
     "gateway": {"startupProbe": "/ping", "readinessProbe": "/health", "livenessProbe": "/ping"},
 }
+# Seconds an exec liveness probe needs beyond the healthcheck's 1-token bound: the interpreter's start, /health
+# and /metrics, on a loaded node.
+EXEC_PROBE_MARGIN_S = 10
 
 
 @check("probes")
@@ -411,6 +416,9 @@ def check_probes(objects: list[Obj]) -> list[str]:
                 if not probe:
                     problems.append(f"{where}: no {kind}")
                     continue
+                if not path.startswith("/"):
+                    problems.extend(f"{where}: {kind} {p}" for p in exec_probe_problems(objects, c, probe, path))
+                    continue
                 http = probe.get("httpGet") or {}
                 if http.get("path") != path:
                     problems.append(f"{where}: {kind} asks {http.get('path')!r}, not {path}")
@@ -421,6 +429,27 @@ def check_probes(objects: list[Obj]) -> list[str]:
                     f"{where}: startupProbe gives up after {probe_window(startup)} s (< {MIN_STARTUP_S} s start)"
                 )
     return problems
+
+
+def exec_probe_problems(objects: list[Obj], c: Obj, probe: Obj, module: str) -> list[str]:
+    """An engine's liveness must run the progress check (an httpGet of /health is blind to a hung EngineCore),
+    with a timeout above its 1-token bound (MMCPU_HEALTH_PROBE_S as the container sees it) plus a margin."""
+    command = (probe.get("exec") or {}).get("command") or []
+    if command[1:3] != ["-m", module] or not str(command[:1][0] if command else "").startswith("python"):
+        return [f"does not run `python -m {module}` (got {probe.get('exec') or list(probe)}): "
+                "vLLM's /health answers while its EngineCore hangs"]
+    if len(command) > 3 and command[3] != role(c):
+        return [f"checks role {command[3]!r}, not the container's {role(c)!r}"]
+    try:
+        bound = container_settings(container_env(objects, c)).health_probe_s
+    except ValueError:  # an invalid setting: the settings checks name it
+        return []
+    if bound == 0:
+        return ["MMCPU_HEALTH_PROBE_S=0: the check never sends its 1-token request, so a hung core passes"]
+    if (timeout := probe.get("timeoutSeconds", 1)) < bound + EXEC_PROBE_MARGIN_S:
+        return [f"timeoutSeconds {timeout} < the 1-token bound MMCPU_HEALTH_PROBE_S {bound:g} s + "
+                f"{EXEC_PROBE_MARGIN_S} s"]
+    return []
 
 
 @check("hpa")

@@ -188,6 +188,25 @@ def probe_passes(url: str, probe: k8s.Obj) -> int | None:
     return status
 
 
+def exec_probe_passes(container: str, probe: k8s.Obj) -> tuple[bool, str]:
+    """An exec probe as the kubelet judges it: its command in the container, exit 0 within timeoutSeconds, up to
+    failureThreshold attempts periodSeconds apart; (passed, its output)."""
+    out = ""
+    for attempt in range(max(1, probe.get("failureThreshold", 3))):
+        if attempt:
+            time.sleep(probe.get("periodSeconds", 10))
+        try:
+            proc = subprocess.run(["docker", "exec", container, *probe["exec"]["command"]], capture_output=True,
+                                  text=True, timeout=probe.get("timeoutSeconds", 1))
+        except subprocess.TimeoutExpired:
+            out = f"no exit within {probe.get('timeoutSeconds', 1)} s"
+            continue
+        out = (proc.stdout + proc.stderr).strip()
+        if proc.returncode == 0:
+            return True, out
+    return False, out
+
+
 def check_credentials(container: str, pod: k8s.Obj, c: k8s.Obj) -> str:
     """The running process's uid, capabilities, no_new_privs, seccomp and root filesystem."""
     lines = docker("exec", container, "cat", "/proc/1/status").splitlines()
@@ -238,6 +257,13 @@ def run(overlay: str, image: str | None, roles: list[str]) -> bool:
             took = wait_startup(container, c)
             say(f"{name}: startup probe passed after {took:.0f} s (window {k8s.probe_window(c['startupProbe'])} s)")
             for kind in ("readinessProbe", "livenessProbe"):
+                if "exec" in c[kind]:  # run in the container, as the kubelet does
+                    ok, out = exec_probe_passes(container, c[kind])
+                    if not ok:
+                        raise SmokeError(f"{name}: {kind} {c[kind]['exec']['command']} failed "
+                                         f"{c[kind].get('failureThreshold', 3)} times in a row (last: {out})")
+                    say(f"{name}: {kind} exec: {out}")
+                    continue
                 url = probe_url(container, c, c[kind])
                 status = probe_passes(url, c[kind])
                 if status is None or not 200 <= status < 400:

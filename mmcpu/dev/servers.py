@@ -148,6 +148,20 @@ class Engine:
         self.stop()
 
 
+# Test engines' multimodal processor cache (MMCPU_MM_CACHE_GIB): ~31 Whisper windows, so a test session's traffic
+# runs through eviction too, and tests/test_mm_cache.py can fill it many times over in seconds.
+TEST_MM_CACHE_GIB = 0.03
+
+
+def test_engine(model: Path, logs_dir: Path, tag: str, **kwargs: Any) -> Engine:
+    """An Engine as the test sessions run them: the log ``logs_dir/<model>-<tag>.log``, the small mm cache."""
+    kwargs["env"] = {"MMCPU_MM_CACHE_GIB": str(TEST_MM_CACHE_GIB), **kwargs.get("env", {})}
+    return Engine(model=model, log_path=logs_dir / f"{model.name}-{tag}.log", **kwargs)
+
+
+test_engine.__test__ = False  # a builder, not a pytest test
+
+
 @dataclass(frozen=True)
 class KernelCounts:
     """One snapshot of an engine's MRV2 kernel launches, per kernel (mmcpu.kernels.dispatch.StatsWriter)."""

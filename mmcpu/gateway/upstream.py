@@ -42,9 +42,29 @@ class Engine:
     # 503 (engine down), not 404 (unknown model).
     models: list[dict[str, Any]] = field(default_factory=list)
     listed_at: float = float("-inf")
+    # Stall detection (Upstreams.check_stalls): requests waiting for its answer's headers, when one last made progress (a response's
+    # headers or bytes, token counters that moved, or the first request starting to wait), the counters' last
+    # value, and - while it is down as hung - the value it hung at (it stays down until that changes or the
+    # engine goes away, e.g. its launcher killed it and the restart policy brings it back).
+    inflight: int = 0
+    progress_at: float = 0.0
+    tokens: float | None = None
+    tokens_at: float = float("-inf")
+    hung_tokens: float | None = None
+    # Set when it is marked hung: requests waiting on it give up with a 503 at once.
+    hung: asyncio.Event = field(default_factory=asyncio.Event)
 
     def serves(self, model: str) -> bool:
         return any(m.get("id") == model for m in self.models)
+
+
+def token_count(metrics: str) -> float:
+    """Prompt + generation tokens an engine has processed (vLLM's Prometheus counters; as mmcpu.healthcheck)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(("vllm:prompt_tokens_total", "vllm:generation_tokens_total")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def _reason(exc: BaseException) -> str:
@@ -59,6 +79,7 @@ class Upstreams:
         self.metrics = metrics
         self.probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.connect_timeout_s)
         self.models_ttl = settings.models_ttl_s
+        self.stall_s = settings.stall_s
         self.engines = {name: Engine(name, url) for name, url in settings.engines.items()}
 
     # --- state --------------------------------------------------------------------------------------
@@ -68,6 +89,10 @@ class Upstreams:
         elif engine.up is False and up:
             log.info("engine %s is up again", engine.name)
         engine.up, engine.error = up, None if up else error
+        if up:
+            engine.hung_tokens = None
+            if engine.hung.is_set():
+                engine.hung = asyncio.Event()
         self.metrics.engine_up.labels(engine.name).set(1 if up else 0)
 
     async def probe(self, engine: Engine) -> None:
@@ -76,10 +101,18 @@ class Upstreams:
         try:
             r = await self.client.get(f"{engine.url}/health", timeout=self.probe_timeout)
         except httpx.HTTPError as exc:
+            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                engine.hung_tokens = None  # gone: what comes back on its address is a new process
             self._mark(engine, False, _reason(exc))
             return
         if r.status_code != 200:
             self._mark(engine, False, f"/health answered {r.status_code}")
+        elif engine.hung_tokens is not None:
+            # vLLM's /health answers while its EngineCore hangs: only moved counters bring a hung engine back.
+            tokens = await self.read_tokens(engine)
+            if tokens is not None and tokens != engine.hung_tokens:
+                engine.hung_tokens = None
+                await self.list_models(engine)
         elif was_up is not True:
             await self.list_models(engine)  # marks it
         else:
@@ -89,12 +122,45 @@ class Upstreams:
         await asyncio.gather(*(self.probe(e) for e in self.engines.values()))
 
     async def watch(self) -> None:
-        """Background task of the app: re-probe the engines that are down until they come back."""
+        """Background task of the app: re-probe the engines that are down until they come back, and mark the
+        ones whose requests stall down (check_stalls)."""
         while True:
             await asyncio.sleep(RECHECK_S)
             down = [e for e in self.engines.values() if e.up is False]
             with contextlib.suppress(Exception):  # a failed probe marks its engine; the loop must live on
-                await asyncio.gather(*(self.probe(e) for e in down))
+                await asyncio.gather(*(self.probe(e) for e in down), self.check_stalls())
+
+    async def read_tokens(self, engine: Engine) -> float | None:
+        try:
+            r = await self.client.get(f"{engine.url}/metrics", timeout=self.probe_timeout)
+            r.raise_for_status()
+            return token_count(r.text)
+        except (httpx.HTTPError, ValueError, IndexError):
+            return None
+
+    async def check_stalls(self) -> None:
+        """A hung EngineCore still answers /health and /metrics from its API server, so hangs are told by
+        requests: an engine that has requests waiting and made no progress (no response bytes, token counters
+        unchanged) for stall_s is marked down, its waiting requests answered 503 engine_unavailable at once, and
+        new ones too, until its counters move or it goes away (its launcher's watchdog restarts it)."""
+        if not self.stall_s:
+            return
+        now = time.monotonic()
+        busy = [e for e in self.engines.values() if e.up and e.inflight]
+        # Counters read at most 5 times per stall window per busy engine, and only once it is quiet.
+        due = [e for e in busy if now - e.progress_at >= self.stall_s / 5 and now - e.tokens_at >= self.stall_s / 5]
+        for engine, tokens in zip(due, await asyncio.gather(*(self.read_tokens(e) for e in due))):
+            engine.tokens_at = time.monotonic()
+            if tokens is not None and tokens != engine.tokens:
+                engine.tokens, engine.progress_at = tokens, engine.tokens_at
+        for engine in busy:
+            quiet = time.monotonic() - engine.progress_at
+            if engine.up and engine.inflight and quiet >= self.stall_s:
+                engine.hung_tokens = engine.tokens if engine.tokens is not None else -1.0
+                self._mark(engine, False, f"hung: {engine.inflight} request(s) waiting, no progress for {quiet:.0f}s "
+                                          "(MMCPU_STALL_S)")
+                self.metrics.upstream_errors.labels(engine.name, "stall").inc()
+                engine.hung.set()
 
     # --- models -------------------------------------------------------------------------------------
     async def list_models(self, engine: Engine) -> None:
@@ -175,8 +241,32 @@ class Upstreams:
             request.method, engine.url + request.url.path, params=request.query_params, headers=headers,
             content=content,
         )
+        if engine.inflight == 0:
+            engine.progress_at = time.monotonic()  # waiting starts now, not at the last request's end
+        engine.inflight += 1  # waiting for the response's headers (a hung engine never sends them)
         try:
-            response = await self.client.send(upstream, stream=True)
+            response = await self._send_unless_hung(engine, upstream)
+        finally:
+            engine.inflight -= 1
+        engine.progress_at = time.monotonic()
+        return self._respond(engine, response)
+
+    async def _send_unless_hung(self, engine: Engine, upstream: httpx.Request) -> httpx.Response:
+        """client.send, given up (503) as soon as the engine is marked hung."""
+        send = asyncio.ensure_future(self.client.send(upstream, stream=True))
+        hung = asyncio.ensure_future(engine.hung.wait())
+        try:
+            await asyncio.wait({send, hung}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hung.cancel()
+            if not send.done():
+                send.cancel()
+                with contextlib.suppress(BaseException):
+                    await send
+        if send.cancelled():
+            raise engine_unavailable(engine.name, engine.error or "hung")
+        try:
+            response = send.result()
         except BodyTooLarge:
             raise
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -194,6 +284,9 @@ class Upstreams:
             raise OpenAIError(
                 502, f"The {engine.name} engine failed: {_reason(exc)}", type="server_error", code="engine_error"
             ) from exc
+        return response
+
+    def _respond(self, engine: Engine, response: httpx.Response) -> StreamingResponse:
         self._mark(engine, True)
         if response.status_code >= 500:
             self.metrics.upstream_errors.labels(engine.name, "http_5xx").inc()
@@ -207,6 +300,7 @@ class Upstreams:
         # aiter_raw yields each chunk as it comes off the socket: SSE events are not held back.
         try:
             async for chunk in response.aiter_raw():
+                engine.progress_at = time.monotonic()
                 yield chunk
         except httpx.HTTPError as exc:
             # Headers are already sent: the only honest signal left is to abort the connection.
