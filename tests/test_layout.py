@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 RUNTIME_MODULES = ["mmcpu.launch", "mmcpu.gateway.app", "mmcpu.healthcheck", "mmcpu.patchtool", "mmcpu.proc",
-                   "mmcpu.kernels.dispatch", "mmcpu.config"]
+                   "mmcpu.kernels.dispatch", "mmcpu.kernels.check", "mmcpu.plugin", "mmcpu.cpu", "mmcpu.quantize",
+                   "mmcpu.config"]
 
 BLOCK_DEV = """
 import importlib.abc, sys
