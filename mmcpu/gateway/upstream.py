@@ -18,6 +18,7 @@ from starlette.responses import StreamingResponse
 from mmcpu.config import Settings
 from mmcpu.gateway.errors import BodyTooLarge, OpenAIError, engine_unavailable
 from mmcpu.gateway.metrics import Metrics
+from mmcpu.healthcheck import token_count  # progress means the same to the gateway as to the health check
 
 log = logging.getLogger("mmcpu.gateway")
 
@@ -56,15 +57,6 @@ class Engine:
 
     def serves(self, model: str) -> bool:
         return any(m.get("id") == model for m in self.models)
-
-
-def token_count(metrics: str) -> float:
-    """Prompt + generation tokens an engine has processed (vLLM's Prometheus counters; as mmcpu.healthcheck)."""
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(("vllm:prompt_tokens_total", "vllm:generation_tokens_total")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _reason(exc: BaseException) -> str:
