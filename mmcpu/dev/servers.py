@@ -98,8 +98,13 @@ class Engine:
     def start(self, timeout_s: float = 900) -> Engine:
         # No launcher watchdog unless a test asks for one (tests/test_hang.py): its idle-time probe requests would
         # land between a test's reads of the engine's own counters, and in a benchmark's measurements.
+        # vLLM's INFO lines are the tests' evidence ("Using V2 Model Runner", the kernel it selected): a level or
+        # stream left in this process's environment (e.g. by `python -m mmcpu.kernels` run in-process) must not
+        # silence them.
         env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_RUNNER=self.runner, HF_HUB_OFFLINE="1",
-                   MMCPU_KERNEL_STATS=str(self.kernel_stats_path), MMCPU_WATCHDOG_INTERVAL_S="0")
+                   MMCPU_KERNEL_STATS=str(self.kernel_stats_path), MMCPU_WATCHDOG_INTERVAL_S="0",
+                   VLLM_LOGGING_LEVEL="INFO")
+        env.pop("VLLM_LOGGING_STREAM", None)
         env.update(self.env)
         self.kernel_stats_path.unlink(missing_ok=True)  # a previous run's counts must not stand in for these
         if self.pythonpath:

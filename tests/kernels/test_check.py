@@ -57,6 +57,8 @@ def fake_vllm(tmp_path, monkeypatch):
 
 def test_cli_prints_one_line_per_problem_and_exits_2(broken, fake_vllm, monkeypatch, capsys):
     monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")  # the CLI's own default, undone after the test: engines
+    # started later in this process inherit os.environ and must keep vLLM's INFO lines (their MRV2 evidence)
     assert cli.main(["check"]) == 2
     out, err = capsys.readouterr()
     lines = out.splitlines()
@@ -67,6 +69,8 @@ def test_cli_prints_one_line_per_problem_and_exits_2(broken, fake_vllm, monkeypa
 
 def test_cli_passes_on_the_installed_vllm(fake_vllm, monkeypatch, capsys):
     monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")  # the CLI's own default, undone after the test: engines
+    # started later in this process inherit os.environ and must keep vLLM's INFO lines (their MRV2 evidence)
     assert cli.main(["check"]) == 0
     out, err = capsys.readouterr()
     assert out == "" and f"all {len(reachability.reachable())} reachable MRV2 kernels" in err
@@ -157,6 +161,8 @@ def test_cli_fails_without_the_plugin_entry_point(fake_vllm, monkeypatch, capsys
     import importlib.metadata
 
     monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")  # the CLI's own default, undone after the test: engines
+    # started later in this process inherit os.environ and must keep vLLM's INFO lines (their MRV2 evidence)
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
     assert cli.main(["check"]) == 2
     out = capsys.readouterr().out.splitlines()
