@@ -84,7 +84,8 @@ class Settings(BaseSettings):
     dtype: str | None = Field(
         None, description="vLLM --dtype of every engine, overriding the role's default (ROLE_DTYPES: float32 "
         "gave +16 % at c=8 and a lower p50 than bf16 for Whisper tiny, docs/bench/analysis.md)",
-        json_schema_extra={"doc_default": "per role: audio `float32`, vision and mmcpu-serve `auto`"},
+        json_schema_extra={"doc_default": "per role: audio `float32`, vision and mmcpu-serve `auto` where the CPU "
+                           "has bf16 hardware (avx512_bf16 / AMX), else `float32`"},
     )
     compile: bool = Field(
         False,

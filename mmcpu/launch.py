@@ -206,6 +206,19 @@ def kernels_preflight(settings: Settings) -> str | None:
             "runs vLLM's own kernels in Triton's interpreter instead (10-100x slower)")
 
 
+# CPUs whose bf16 has hardware behind it (mmcpu.cpu.CpuInfo.isa): there vLLM's "auto" (bfloat16 for most
+# checkpoints on CPU) is kept. Elsewhere bf16 is emulated: whisper-base took 6.75 s in bf16 against 1.57 s in float32
+# on the AVX2-only EPYC (FACTS.md), so a role's "auto" becomes float32.
+BF16_ISAS = ("amx", "avx512_bf16")
+
+
+def default_dtype(dtype: str, info: cpu.CpuInfo | None = None) -> str:
+    """A role's default dtype on this CPU: ``auto`` only where bf16 runs in hardware, else float32."""
+    if dtype != "auto":
+        return dtype
+    return "auto" if (info or cpu.current()).isa in BF16_ISAS else "float32"
+
+
 def engine_argv(
     model: str,
     settings: Settings,
@@ -215,14 +228,15 @@ def engine_argv(
     extra: list[str] | None = None,
     dtype: str = "auto",
 ) -> list[str]:
-    """vLLM's command line; ``dtype`` is the role's default, MMCPU_DTYPE overrides it."""
+    """vLLM's command line; ``dtype`` is the role's default (``auto`` only with bf16 hardware: default_dtype),
+    MMCPU_DTYPE overrides it."""
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
         "--served-model-name", served_model_name or served_name(model),
         "--host", settings.host,
         "--port", str(port),
-        "--dtype", settings.dtype or dtype,
+        "--dtype", settings.dtype or default_dtype(dtype),
         "--kv-cache-memory-bytes", str(int(settings.kvcache_gib * 2**30)),
         "--mm-processor-cache-gb", f"{mm_cache_gib(settings):g}",
         "--distributed-executor-backend", settings.executor,
