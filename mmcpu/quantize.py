@@ -305,8 +305,10 @@ def quantize(src: Path, dst: Path, *, activations: str = "dynamic", calibration:
         }
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
         _publishable(tmp)
-        if dst.exists():
+        if dst.is_dir() and not dst.is_symlink():
             shutil.rmtree(dst)
+        elif dst.exists() or dst.is_symlink():
+            dst.unlink()
         os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -342,6 +342,10 @@ def test_force_replaces(tmp_path: Path, tiny_random: Path):
     (dst / "old.txt").write_text("old")
     assert quantize.main([str(tiny_random), str(dst), "--force"]) == 0
     assert not (dst / "old.txt").exists() and (dst / quantize.METADATA).is_file()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert quantize.main([str(tiny_random), str(a_file), "--force"]) == 0
+    assert (a_file / quantize.METADATA).is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind
 
 
