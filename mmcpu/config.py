@@ -20,11 +20,6 @@ IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file()
 # different images per request and the hard-input catalogue one more than the limit.
 IMAGE_LIMIT = 4
 VISION_LIMIT_ARGS = ["--limit-mm-per-prompt", json.dumps({"image": IMAGE_LIMIT}, separators=(",", ":"))]
-# Each engine role's --dtype when MMCPU_DTYPE is unset. Audio: float32, Whisper's checkpoint dtype - against bf16
-# (vLLM's "auto" downcast), 4 runs each on 2 CPUs: +16 % throughput at c=8, a ~15 % lower p50 at c=1, level at
-# c=1/c=4; the tiny model's GEMMs are too small for bf16/AMX to pay for its conversions (docs/bench/analysis.md).
-# Vision: "auto" (no difference measured). Real models: MMCPU_DTYPE=bfloat16.
-ROLE_DTYPES = {"audio": "float32", "vision": "auto"}
 
 
 class Settings(BaseSettings):
@@ -82,10 +77,14 @@ class Settings(BaseSettings):
     )
     max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
     dtype: str | None = Field(
-        None, description="vLLM --dtype of every engine, overriding the role's default (ROLE_DTYPES: float32 "
-        "gave +16 % at c=8 and a lower p50 than bf16 for Whisper tiny, docs/bench/analysis.md)",
-        json_schema_extra={"doc_default": "per role: audio `float32`, vision and mmcpu-serve `auto` where the CPU "
-                           "has bf16 hardware (avx512_bf16 / AMX), else `float32`"},
+        None, description="vLLM --dtype of every engine, overriding the per-CPU default (mmcpu/cpu_defaults.json, "
+        "measured per ISA class: `python -m mmcpu.dev.bench defaults`)",
+        json_schema_extra={"doc_default": "per role and CPU: `mmcpu/cpu_defaults.json`"},
+    )
+    quantization: Literal["auto", "none", "int8"] = Field(
+        "auto", description="Whisper engines: 'int8' = serve the int8 checkpoint beside the model (`<model>-int8`, "
+        "made by mmcpu-quantize; none there: refuse to start), 'none' = the float one, 'auto' = the audio role "
+        "follows the per-CPU default (mmcpu/cpu_defaults.json) and mmcpu-serve the checkpoint it is given",
     )
     compile: bool = Field(
         False,

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmcpu import cpu
-from mmcpu.config import ROLE_DTYPES, Settings, get_settings
+from mmcpu import cpu, defaults
+from mmcpu.config import Settings, get_settings
 from mmcpu.proc import exit_status, kill_tree, listening
 
 ROLES = ("audio", "vision", "gateway", "all")
@@ -206,19 +206,6 @@ def kernels_preflight(settings: Settings) -> str | None:
             "runs vLLM's own kernels in Triton's interpreter instead (10-100x slower)")
 
 
-# CPUs whose bf16 has hardware behind it (mmcpu.cpu.CpuInfo.isa): there vLLM's "auto" (bfloat16 for most
-# checkpoints on CPU) is kept. Elsewhere bf16 is emulated: whisper-base took 6.75 s in bf16 against 1.57 s in float32
-# on the AVX2-only EPYC (FACTS.md), so a role's "auto" becomes float32.
-BF16_ISAS = ("amx", "avx512_bf16")
-
-
-def default_dtype(dtype: str, info: cpu.CpuInfo | None = None) -> str:
-    """A role's default dtype on this CPU: ``auto`` only where bf16 runs in hardware, else float32."""
-    if dtype != "auto":
-        return dtype
-    return "auto" if (info or cpu.current()).isa in BF16_ISAS else "float32"
-
-
 def engine_argv(
     model: str,
     settings: Settings,
@@ -228,15 +215,14 @@ def engine_argv(
     extra: list[str] | None = None,
     dtype: str = "auto",
 ) -> list[str]:
-    """vLLM's command line; ``dtype`` is the role's default (``auto`` only with bf16 hardware: default_dtype),
-    MMCPU_DTYPE overrides it."""
+    """vLLM's command line; ``dtype`` as :func:`choose` resolved it."""
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
         "--served-model-name", served_model_name or served_name(model),
         "--host", settings.host,
         "--port", str(port),
-        "--dtype", settings.dtype or default_dtype(dtype),
+        "--dtype", dtype,
         "--kv-cache-memory-bytes", str(int(settings.kvcache_gib * 2**30)),
         "--mm-processor-cache-gb", f"{mm_cache_gib(settings):g}",
         "--distributed-executor-backend", settings.executor,
@@ -252,20 +238,33 @@ def engine_argv(
     return argv + shlex.split(settings.extra_args) + list(extra or [])
 
 
+def choose(role: str, model: str, settings: Settings, *, from_table: bool = True) -> defaults.Resolved:
+    """The checkpoint, dtype and quantisation of an engine of ``role`` (audio / vision): the per-CPU table
+    (mmcpu/cpu_defaults.json) unless MMCPU_DTYPE / MMCPU_QUANTIZATION say otherwise. Raises defaults.Refused."""
+    return defaults.resolve(role, model, dtype=settings.dtype, quantization=settings.quantization,
+                            speech=model_kind(model) == "audio", apply_table_quantization=from_table)
+
+
 def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None = None,
                   cpus: Cpus | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, argv, env) of every process a container role runs; the ``all`` role splits the CPUs."""
+    """(name, argv, env) of every process a container role runs; the ``all`` role splits the CPUs. An engine
+    role serves its model under its configured name even when the int8 checkpoint beside it is loaded."""
     cpus = cpus or Cpus.current()
     audio_cpus, vision_cpus = cpus.split(2) if role == "all" else (cpus, cpus)
-    audio = ("audio", engine_argv(settings.audio_model, settings, port=settings.audio_port,
-                                  extra=shlex.split(settings.audio_args), dtype=ROLE_DTYPES["audio"]),
-             engine_env(settings, base, audio_cpus, settings.audio_port))
-    vision = ("vision", engine_argv(settings.vision_model, settings, port=settings.vision_port,
-                                    extra=shlex.split(settings.vision_args), dtype=ROLE_DTYPES["vision"]),
-              engine_env(settings, base, vision_cpus, settings.vision_port))
+    engines = {}
+    for name, model, port, args, part in (
+            ("audio", settings.audio_model, settings.audio_port, settings.audio_args, audio_cpus),
+            ("vision", settings.vision_model, settings.vision_port, settings.vision_args, vision_cpus)):
+        if role not in (name, "all"):
+            continue
+        c = choose(name, model, settings)
+        engines[name] = (name, engine_argv(c.model, settings, port=port, served_model_name=served_name(model),
+                                           extra=shlex.split(args), dtype=c.dtype),
+                         engine_env(settings, base, part, port))
     gateway = ("gateway", [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
                dict(os.environ if base is None else base))
-    return {"audio": [audio], "vision": [vision], "gateway": [gateway], "all": [audio, vision, gateway]}[role]
+    return {"audio": [engines.get("audio")], "vision": [engines.get("vision")], "gateway": [gateway],
+            "all": [engines.get("audio"), engines.get("vision"), gateway]}[role]
 
 
 class Watchdog(threading.Thread):
@@ -444,11 +443,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[mmcpu] refusing to start: {reason}", file=sys.stderr, flush=True)
         return 2
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    cmd = engine_argv(args.model, settings, port=args.port, served_model_name=args.served_model_name, extra=extra)
+    try:
+        chosen = choose(model_kind(args.model), args.model, settings, from_table=False)
+    except defaults.Refused as exc:
+        print(f"[mmcpu] refusing to start: {exc}", file=sys.stderr, flush=True)
+        return 2
+    cmd = engine_argv(chosen.model, settings, port=args.port, extra=extra, dtype=chosen.dtype,
+                      served_model_name=args.served_model_name or served_name(args.model))
     print(f"[mmcpu] runner={settings.runner} executor={settings.executor} kvcache={settings.kvcache_gib:g}GiB: "
           f"{shlex.join(cmd)}",
           file=sys.stderr, flush=True)
     log_cpu("engine")
+    print(chosen.line("engine"), file=sys.stderr, flush=True)
     return run([("engine", cmd, engine_env(settings, port=args.port))], "engine", settings, {"engine": args.port},
                watchdogs(settings, {"engine": (args.port, model_kind(args.model))}))
 
@@ -468,6 +474,13 @@ def entrypoint(argv: list[str] | None = None) -> int:
         return 2
     ports = {"audio": settings.audio_port, "vision": settings.vision_port}
     log_cpu(args.role)
+    models = {"audio": settings.audio_model, "vision": settings.vision_model}
+    for name in [n for n in ("audio", "vision") if args.role in (n, "all")]:
+        try:
+            print(choose(name, models[name], settings).line(name), file=sys.stderr, flush=True)
+        except defaults.Refused as exc:
+            print(f"[mmcpu] {name}: refusing to start: {exc}", file=sys.stderr, flush=True)
+            return 2
     engines = {name: (ports[name], name) for name in ("audio", "vision") if args.role in (name, "all")}
     return run(role_commands(args.role, settings), args.role, settings, ports, watchdogs(settings, engines))
 

@@ -6,13 +6,16 @@
 #                     its best configuration, the same 32 requests at c=1,4,8,16, each vLLM system alone; variants
 #                     (int8, whisper-base) when present; vision; long files; a mixed load through the gateway.
 #                     Writes docs/benchmarks.md, docs/bench/results.json (its "headline"), docs/bench/throughput.png
+#   make bench-defaults  mode defaults: this CPU's row of mmcpu/cpu_defaults.json (each role's dtype x int8
+#                     candidates measured side by side; the launcher's per-CPU defaults). Run before `make bench`,
+#                     which then measures the chosen default as "ours"
 #   make bench-quick  mode quick: the same workload at c=1,4, one round, for development; writes to
 #                     .cache/bench-quick so the committed report is not overwritten
 BENCH_VENV   ?= .cache/bench-venv
 BENCH_PYTHON ?= python3
 BENCH_ARGS   ?=
 
-.PHONY: bench bench-quick bench-venv
+.PHONY: bench bench-quick bench-venv bench-defaults
 bench-venv: $(BENCH_VENV)/.installed
 
 $(BENCH_VENV)/.installed: requirements-bench.txt
@@ -25,3 +28,6 @@ bench: models bench-venv
 
 bench-quick: models bench-venv
 	$(PY) -m mmcpu.dev.bench quick --bench-venv $(BENCH_VENV) $(BENCH_ARGS)
+
+bench-defaults: models
+	$(PY) -m mmcpu.dev.bench defaults $(BENCH_ARGS)

@@ -252,3 +252,30 @@ def test_results_round_trip_through_json_and_the_report_leads_with_the_cpu(tmp_p
     assert "| `mrv2/v1@c=1` | 2× | >= 1.05 | yes |" in md
     assert "| `wer_fw_int8` | 0.250 |" in md
     assert "**(ours)**" in md
+
+
+
+def test_ours_follows_an_int8_default_and_keeps_a_float32_reference(tmp_path, monkeypatch):
+    from mmcpu import defaults
+    from mmcpu.dev.bench import defaults as sweep
+
+    from mmcpu.dev.fixtures import config_only
+
+    float_model = config_only(tmp_path / "whisper-tiny.en")
+    int8_model = config_only(tmp_path / "whisper-tiny.en-int8", quantized=True)
+    row = defaults.Row(audio=defaults.Choice(dtype="bfloat16", quantization="int8"),
+                       vision=defaults.Choice(dtype="auto"), evidence="Not measured: test")
+    monkeypatch.setattr(defaults, "table", lambda: defaults.Table(rule="t", rows={i: row for i in defaults.ISAS}))
+    plan = _plan(tmp_path)
+    ours, v1 = plan.system(plan.ours), plan.system(plan.v1)
+    assert ours.model == v1.model == int8_model and ours.dtype == v1.dtype == "bfloat16"
+    assert ours.quantization and ours.quantization == v1.quantization  # V1: the same dtype and quantisation
+    ref = plan.system(plan.float32)
+    assert (ref.model, ref.dtype, ref.quantization) == (float_model, "float32", None)
+    # the defaults sweep: bf16 only where the hardware has it, int8 where the checkpoint is there
+    settings = Settings(models_dir=tmp_path)
+    got = {(c.dtype, c.quantization, m.name) for c, m in sweep.candidates("audio", settings, "avx2")}
+    assert got == {("float32", "none", "whisper-tiny.en"), ("float32", "int8", "whisper-tiny.en-int8")}
+    assert len(sweep.candidates("audio", settings, "avx512_bf16")) == 4
+    int8_model.joinpath("config.json").unlink()
+    assert {c.quantization for c, _ in sweep.candidates("audio", settings, "amx")} == {"none"}

@@ -65,13 +65,3 @@ def test_loaded_vllm_c_reads_the_process_maps(tmp_path):
                     "7f30-7f40 r-xp 00000000 08:01 3 /venv/lib/python3.11/site-packages/torch/lib/_C.so\n")
     assert cpu.loaded_vllm_c(maps) == ["_C_AVX512.abi3.so"]
     assert cpu.loaded_vllm_c(tmp_path / "none") == []
-
-
-@pytest.mark.parametrize(("text", "expected"), [(INTEL, "auto"), (AMD_AVX512, "auto"), (AMD_AVX2, "float32")])
-def test_auto_dtype_only_with_bf16_hardware(text, expected):
-    from mmcpu import launch
-
-    info = cpu.parse_cpuinfo(text, cpus=2)
-    assert launch.default_dtype("auto", info) == expected
-    assert launch.default_dtype("float32", info) == "float32"  # a role's explicit choice stays
-    assert launch.default_dtype("bfloat16", info) == "bfloat16"

@@ -229,15 +229,17 @@ def test_serve_and_entrypoint_refuse_before_starting_anything(monkeypatch, capsy
         get_settings.cache_clear()
 
 
-def test_audio_engine_computes_in_float32_unless_told_otherwise():
+def test_engines_compute_in_the_per_cpu_dtype_unless_told_otherwise():
+    from mmcpu import defaults
+
     def dtype(argv):  # vLLM's argparse: the last occurrence wins
         return argv[len(argv) - 1 - argv[::-1].index("--dtype") + 1]
+    _, row = defaults.row()
     [(_, audio, _)] = launch.role_commands("audio", Settings(), cpus=Cpus((0, 1)))
     [(_, vision, _)] = launch.role_commands("vision", Settings(), cpus=Cpus((0, 1)))
-    assert (dtype(audio), dtype(vision)) == ("float32", "auto")
+    assert (dtype(audio), dtype(vision)) == (row.audio.dtype, row.vision.dtype)
     [(_, real, _)] = launch.role_commands("audio", Settings(audio_args="--dtype bfloat16"), cpus=Cpus((0, 1)))
     assert dtype(real) == "bfloat16"
     # MMCPU_DTYPE is every engine's, the roles' defaults included.
     both = launch.role_commands("all", Settings(dtype="bfloat16"), cpus=Cpus((0, 1)))
     assert [dtype(argv) for name, argv, _ in both if name != "gateway"] == ["bfloat16", "bfloat16"]
-    assert dtype(launch.engine_argv("/models/m", Settings(), port=8001)) == "auto"  # mmcpu-serve: no role

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from mmcpu import quantize
-from mmcpu.config import ROLE_DTYPES, get_settings
+from mmcpu.config import get_settings
 from mmcpu.dev import speech
 from mmcpu.dev.fixtures import whisper_int8
 from mmcpu.dev.payloads import transcription_kwargs
@@ -370,7 +370,7 @@ def sentence_clips(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path,
 @pytest.fixture(scope="module")
 def int8_engine(tiny_en_int8: Path, patched_vllm: Path, logs_dir: Path):
     engine = Engine(model=tiny_en_int8, log_path=logs_dir / f"{tiny_en_int8.name}-mrv2.log",
-                    vllm_args=["--dtype", ROLE_DTYPES["audio"]]).start()
+                    vllm_args=["--dtype", "float32"]).start()
     print(f"\n[{tiny_en_int8.name} MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)

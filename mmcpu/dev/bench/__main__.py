@@ -6,6 +6,8 @@
     quick    make bench-quick: the same workload at c=1,4, one round, a smaller faster-whisper search, no variants,
              no cold start (page cache drop), mixed load or compose; writes to .cache/bench-quick
     latency  make latency: per-request latency of ours and of the vision engine, MRV2 against V1 (prints figures)
+    defaults measure this CPU's row of mmcpu/cpu_defaults.json (each role's dtype x quantisation candidates, their
+             engines up together, rounds rotating; mmcpu.defaults.pick chooses) and rewrite that row
     render   re-write OUT/benchmarks.md and the plot from OUT/bench/results.json, measuring nothing
 """
 
@@ -25,7 +27,7 @@ def ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmcpu.dev.bench", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("mode", choices=("full", "quick", "latency", "render"))
+    parser.add_argument("mode", choices=("full", "quick", "latency", "defaults", "render"))
     parser.add_argument("--out", type=Path, help="default: docs (full, render), .cache/bench-quick (quick)")
     parser.add_argument("--bench-venv", type=Path, default=REPO_ROOT / ".cache" / "bench-venv")
     parser.add_argument("--levels", type=ints, help="audio concurrency levels (default: the mode's)")
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                         "memory before starting each engine, on a shared machine")
     parser.add_argument("--requests", type=int, default=8, help="latency: requests per engine")
     parser.add_argument("--json", type=Path, help="latency: also write the figures here")
+    parser.add_argument("--dry-run", action="store_true", help="defaults: print the row, do not write it")
     args = parser.parse_args(argv)
 
     from mmcpu.dev.bench import plan as plans
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_python = args.bench_venv / "bin" / "python"
     out = args.out or (REPO_ROOT / ".cache" / "bench-quick" if args.mode == "quick" else REPO_ROOT / "docs")
+    if args.mode == "defaults":
+        from mmcpu.dev.bench import defaults
+
+        return defaults.run(args.reps or 2, dry_run=args.dry_run)
     if args.mode == "render":
         return run.write(Results.model_validate_json((out / "bench" / "results.json").read_text()), out, bench_python)
     settings = get_settings()

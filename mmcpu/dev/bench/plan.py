@@ -66,7 +66,7 @@ class System(BaseModel):
     peers: list[str] = []  # faster-whisper systems measured in this system's phase (ratios pair those rounds)
 
 
-def _pairs(argv: list[str]) -> list[tuple[str, str | None]]:
+def pairs(argv: list[str]) -> list[tuple[str, str | None]]:
     out: list[tuple[str, str | None]] = []
     for tok in argv:
         if tok.startswith("--") or not out or out[-1][1] is not None:
@@ -81,20 +81,23 @@ def role_engine(role: str, settings: Settings) -> tuple[Path, list[str], list[st
     passes for the same model (for ``mmcpu.dev.servers.Engine``), and its whole vLLM command line."""
     from mmcpu import launch
 
+    field = f"{role}_model"
+    configured = Path(getattr(settings, field))
+    if not configured.is_dir():  # the image's /models/NAME in a checkout: the fixture of that name
+        settings = settings.model_copy(update={field: str(settings.models_dir / configured.name)})
     ((_, argv, _),) = launch.role_commands(role, settings)
     full = argv[argv.index("vllm.entrypoints.openai.api_server") + 1 :]
-    opts = _pairs(full)
+    opts = pairs(full)
     model = dict(opts)["--model"]
-    serve = set(_pairs(launch.engine_argv(model, settings, port=int(dict(opts)["--port"]))[3:]))
+    serve = set(pairs(launch.engine_argv(model, settings, port=int(dict(opts)["--port"]))[3:]))
     extra = [x for o in opts if o not in serve and o[0] not in ("--served-model-name", "--host")
              for x in o if x is not None]  # fmt: skip
-    path = Path(model) if Path(model).is_dir() else settings.models_dir / Path(model).name
-    return path, extra, full
+    return Path(model), extra, full
 
 
 def option(args: list[str], name: str) -> str | None:
     """The last value of ``--name`` in vLLM arguments (vLLM's argparse keeps the last)."""
-    return next((v for o, v in reversed(_pairs(args)) if o == name), None)
+    return next((v for o, v in reversed(pairs(args)) if o == name), None)
 
 
 def quantization(model: Path, args: list[str] = ()) -> str | None:
@@ -205,7 +208,8 @@ MODES = {  # mode -> plan fields; every mode sends the same workload
     "latency": dict(audio_levels=[1], vision_levels=[1], runner_levels=[1], reps=1, long_s=[], fw_grid=[],
                     fw_search_every=1, mixed=0),
 }  # fmt: skip
-VARIANTS = ("whisper-tiny.en-int8", "whisper-base")  # measured too when present in the models folder ("auto")
+# Measured too when present in the models folder ("auto"): int8 with activations per token and calibrated static.
+VARIANTS = ("whisper-tiny.en-int8", "whisper-tiny.en-int8-static", "whisper-base")
 
 
 def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, **overrides: object) -> Plan:

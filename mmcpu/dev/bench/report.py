@@ -77,6 +77,26 @@ def method(r: Results) -> list[str]:
     ]  # fmt: skip
 
 
+def defaults_section(isa: str | None) -> list[str]:
+    """The launcher's per-CPU table (mmcpu/cpu_defaults.json) as it stands when the report is written."""
+    from mmcpu import defaults
+
+    t = defaults.table()
+    out = ["## Per-CPU defaults (`mmcpu/cpu_defaults.json`, read by the launcher)\n",
+           f"Rule: {t.rule} This run's CPU is class `{isa}`. `MMCPU_DTYPE` / `MMCPU_QUANTIZATION` override a row.\n"]
+    rows = []
+    for name, row in t.rows.items():
+        figs = "; ".join(
+            f"{role} {c.choice.dtype}/{c.choice.quantization}: "
+            + ", ".join(f"c={lvl} {fmt(v)}" for lvl, v in c.throughput.items())
+            + (f", WER {c.wer:.3f}" if c.wer is not None else "")
+            for role, cands in row.candidates.items() for c in cands)  # fmt: skip
+        rows.append((f"`{name}`" + (" (this CPU)" if name == isa else ""),
+                     f"{row.audio.dtype}, {row.audio.quantization}", f"{row.vision.dtype}, {row.vision.quantization}",
+                     f"{row.measured_on} on {row.date}: {figs}" if row.measured_on else row.evidence))  # fmt: skip
+    return out + table(("ISA class", "audio dtype, quantisation", "vision", "measured"), rows)
+
+
 def render(r: Results) -> str:
     plan, meta, cpu = r.plan, r.meta, r.cpu
     label = {k: s.spec.label for k, s in r.systems.items()}
@@ -110,6 +130,8 @@ def render(r: Results) -> str:
         if key in r.headline:
             rows.append((f"`{key}`", fmt(r.headline[key], 2, " GiB" if key.endswith("gib") else " s"), "", ""))
     out += table(("figure", "value", "target", "met"), rows)
+
+    out += defaults_section(cpu.get("isa"))
 
     audio = [k for k, s in r.systems.items() if s.audio]
     if audio:

@@ -1,0 +1,112 @@
+"""``python -m mmcpu.dev.bench defaults``: measure this CPU's row of mmcpu/cpu_defaults.json.
+
+Every candidate dtype x quantisation of a role is served by its own MRV2 engine (native kernels), all of the role's
+engines up at once and idle but one: the rounds rotate between them level by level, so a drift in the machine's
+load hits every candidate alike. Audio sends the benchmark's fixed workload (greedy, language en) at each level and
+scores WER over every answer; vision sends the benchmark's image chats. ``mmcpu.defaults.pick`` then chooses, and
+the row for this CPU's ISA class is rewritten with every candidate's figures (``--dry-run``: printed only).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from mmcpu import cpu, defaults
+from mmcpu.config import Settings, get_settings
+from mmcpu.defaults import Candidate, Choice, Row
+from mmcpu.dev.bench import inputs, plan as plans
+from mmcpu.dev.bench.runners import CpuWatch, Http, log
+from mmcpu.dev.bench.stats import Round, merge_rounds, wer
+from mmcpu.dev.payloads import test_image
+from mmcpu.dev.servers import Engine
+
+BF16_HARDWARE = ("amx", "avx512_bf16")  # elsewhere bf16 is emulated: not a candidate
+LEVELS = {"audio": [1, 8], "vision": [1, 4]}
+
+
+def candidates(role: str, settings: Settings, isa: str) -> list[tuple[Choice, Path]]:
+    """(choice, checkpoint) of every configuration worth measuring for ``role`` on this ISA class."""
+    configured = settings.audio_model if role == "audio" else settings.vision_model
+    model = Path(configured) if Path(configured).is_dir() else settings.models_dir / Path(configured).name
+    dtypes = ["float32", "bfloat16"] if isa in BF16_HARDWARE else ["float32"]
+    out = [(Choice(dtype=d), model) for d in dtypes]
+    if role == "audio" and (int8 := defaults.int8_sibling(str(model))) is not None:
+        out += [(Choice(dtype=d, quantization="int8"), int8) for d in dtypes]
+    return out
+
+
+def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path) -> list[Candidate]:
+    found = candidates(role, settings, isa)
+    _, extra, _ = plans.role_engine(role, settings)
+    role_args = [x for o, v in plans.pairs(extra) if o != "--dtype" for x in (o, v) if x is not None]
+    engines: dict[str, Engine] = {}
+    try:
+        for choice, model in found:
+            key = f"{choice.dtype}-{choice.quantization}"
+            log(f"{role}: starting {key} ({model.name})")
+            engines[key] = Engine(model, logs / f"defaults-{role}-{key}.log",
+                                  vllm_args=[*role_args, "--dtype", choice.dtype]).start()
+        clips = inputs.clips(plans.workload(), settings.cache_dir / "bench" / "clips")
+        chats = [[test_image(1)] if i % 2 == 0 else [test_image(2), test_image(3)] for i in range(16)]
+        https = {k: Http(e.base_url, audio_model=e.name, vision_model=e.name) for k, e in engines.items()}
+        for http in https.values():  # the first request pays lazy initialisation; it is not timed
+            http.transcribe(clips[0]) if role == "audio" else http.chat([test_image(1)])
+        rounds: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
+        keys = list(engines)
+        for n, c in enumerate(LEVELS[role]):
+            for rep in range(reps):
+                shift = (n * reps + rep) % len(keys)
+                for key in keys[shift:] + keys[:shift]:
+                    watch = CpuWatch()
+                    rnd = https[key].audio_round(clips, c) if role == "audio" else https[key].vision_round(chats, c)
+                    load = watch.stop()
+                    s = rnd.summary()
+                    log(f"{role} {key:16s} c={c} {s.ok}/{s.n} ok, {s.throughput or s.rps:.2f} "
+                        f"{'audio-s/s' if role == 'audio' else 'rps'} (load {load['loadavg_1m']}, foreign "
+                        f"{load['foreign_cores']} cores)")
+                    if s.failures:
+                        raise RuntimeError(f"{role} {key}: {s.failures} failures: {s.errors}")
+                    rounds[key][c].append(rnd)
+    finally:
+        for eng in engines.values():
+            eng.stop()
+    out = []
+    for (choice, _), key in zip(found, engines, strict=True):
+        merged = {c: merge_rounds(rs) for c, rs in rounds[key].items()}
+        metric = "throughput" if role == "audio" else "rps"
+        samples = [s for rs in rounds[key].values() for r in rs for s in r.samples]
+        out.append(Candidate(choice=choice, throughput={c: round(getattr(m, metric), 3) for c, m in merged.items()},
+                             wer=round(wer(samples), 4) if role == "audio" else None))  # fmt: skip
+    return out
+
+
+def run(reps: int, dry_run: bool = False) -> int:
+    settings, info = get_settings(), cpu.current()
+    logs = settings.cache_dir / "logs" / "bench"
+    logs.mkdir(parents=True, exist_ok=True)
+    log(f"CPU {info.line()}: measuring the defaults of isa class {info.isa}")
+    measured = {role: measure_role(role, settings, info.isa, reps, logs) for role in ("audio", "vision")}
+    chosen = {role: defaults.pick(role, cands) for role, cands in measured.items()}
+    ref = next(c for c in measured["audio"] if c.choice == Choice(dtype="float32"))
+    lines = []
+    for role, cands in measured.items():
+        for c in cands:
+            figs = ", ".join(f"c={lvl} {v:g}" for lvl, v in c.throughput.items())
+            lines.append(f"{role} {c.choice.dtype}/{c.choice.quantization}: {figs}"
+                         + (f", WER {c.wer:.3f}" if c.wer is not None else "")
+                         + (f" ({c.score() / ref.score():.2f}x float32)" if role == "audio" else ""))
+    evidence = (f"`python -m mmcpu.dev.bench defaults`, {reps} round(s) per level and candidate, rounds rotating "
+                f"between the candidates' engines; audio in audio-s/s on the fixed workload "
+                f"({len(plans.workload())} requests), vision in requests/s: " + "; ".join(lines))
+    row = Row(audio=chosen["audio"], vision=chosen["vision"], measured_on=info.line(),
+              date=dt.date.today().isoformat(), evidence=evidence, candidates=measured)
+    print(json.dumps({info.isa: row.model_dump(mode="json")}, indent=2))
+    if not dry_run:
+        data = json.loads(defaults.TABLE_PATH.read_text())
+        data["rows"][info.isa] = row.model_dump(mode="json")
+        defaults.TABLE_PATH.write_text(json.dumps(data, indent=2) + "\n")
+        log(f"wrote the {info.isa} row of {defaults.TABLE_PATH}: audio {chosen['audio']}, vision {chosen['vision']}")
+    return 0
