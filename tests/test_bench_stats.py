@@ -279,3 +279,16 @@ def test_ours_follows_an_int8_default_and_keeps_a_float32_reference(tmp_path, mo
     assert len(sweep.candidates("audio", settings, "avx512_bf16")) == 4
     int8_model.joinpath("config.json").unlink()
     assert {c.quantization for c, _ in sweep.candidates("audio", settings, "amx")} == {"none"}
+
+
+def test_variants_run_fewer_levels_and_their_own_peer_only_there(tmp_path):
+    from mmcpu.dev.fixtures import config_only
+
+    config_only(tmp_path / "whisper-tiny.en")
+    base = config_only(tmp_path / "whisper-base")
+    plan = plans.build("full", Settings(models_dir=tmp_path), variants=[base])
+    variant = plan.system("whisper-base")
+    assert set(plan.levels_of("whisper-base")) < set(plan.audio_levels) == set(plan.levels_of(plan.ours))
+    (peer,) = variant.peers  # faster-whisper on whisper-base's own weights, searched only where it is compared
+    assert plan.levels_of(peer) == plan.levels_of("whisper-base")
+    assert plan.levels_of(plan.peer) == plan.audio_levels  # ours' peer: every level

@@ -64,6 +64,10 @@ class System(BaseModel):
     compute_type: str | None = None  # faster-whisper
     ct2_source: str | None = None  # faster-whisper: the mmcpu.dev.fixtures.whisper_ct2 source of its weights
     peers: list[str] = []  # faster-whisper systems measured in this system's phase (ratios pair those rounds)
+    # A variant measured beside the headline systems: fewer levels and rounds (None: the plan's), so that a full
+    # run stays near half an hour on 2 CPUs (whisper-base alone costs ~3x tiny's time per round).
+    levels: list[int] | None = None
+    reps: int | None = None
 
 
 def pairs(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -183,6 +187,14 @@ class Plan(BaseModel):
     def fw_systems(self) -> list[System]:
         return [s for s in self.systems if s.engine == "faster-whisper"]
 
+    def levels_of(self, key: str) -> list[int]:
+        """The audio levels a system is measured at; a faster-whisper peer: those of the systems it is paired with."""
+        system = self.system(key)
+        if system.engine == "vllm":
+            return system.levels or self.audio_levels
+        found = {c for s in self.audio_phases() if key in s.peers for c in self.levels_of(s.key)}
+        return [c for c in self.audio_levels if c in found] or self.audio_levels
+
     def figures(self) -> list[Figure]:
         """The headline, derived from the plan's levels and the parts its systems play."""
         ours, peer = "audio_default", self.peer.split(":")[0]
@@ -202,7 +214,7 @@ class Plan(BaseModel):
 
 MODES = {  # mode -> plan fields; every mode sends the same workload
     "full": dict(audio_levels=[1, 4, 8, 16], vision_levels=[1, 4], runner_levels=[1, 8], reps=2, long_s=[60, 300],
-                 fw_grid=[(t, w) for t in (1, 2) for w in (1, 2, 4)], fw_search_every=2, mixed=100),
+                 fw_grid=[(t, w) for t in (1, 2) for w in (1, 2, 4)], fw_search_every=4, mixed=100),
     "quick": dict(audio_levels=[1, 4], vision_levels=[1, 4], runner_levels=[1, 8], reps=1, long_s=[60],
                   fw_grid=[(1, 1), (2, 1), (1, 2), (2, 2)], fw_search_every=4, mixed=0),
     "latency": dict(audio_levels=[1], vision_levels=[1], runner_levels=[1], reps=1, long_s=[], fw_grid=[],
@@ -228,6 +240,7 @@ def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, 
         systems.append(vllm_system("float32", base, [*args, *f32], [*full, *f32], peers=[fw8.key],
                                    what="float32 reference"))
         float32 = "float32"
+    fields_levels = overrides.get("audio_levels") or MODES[mode]["audio_levels"]
     if variants is None:
         variants = [settings.models_dir / v for v in VARIANTS if (settings.models_dir / v).is_dir()]
     for path in variants:
@@ -239,6 +252,8 @@ def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, 
             systems.append(fw_system(src, "int8", own_key=False))
             peers = [systems[-1].key]
         systems.append(vllm_system(path.name, path, args, full, peers=peers))
+        systems[-1].levels = [c for c in (1, 8) if c in fields_levels] or fields_levels[:1]
+        systems[-1].reps = 1
     vmodel, vargs, vfull = role_engine("vision", settings)
     systems += [vllm_system("vision_mrv2", vmodel, vargs, vfull, role="vision", ours=True),
                 vllm_system("vision_v1", vmodel, vargs, vfull, role="vision", runner="v1")]

@@ -53,7 +53,8 @@ def method(r: Results) -> list[str]:
         "the ours/faster-whisper ratios pair the rounds of one phase, the MRV2/V1 ratios compare phases.",
         f"The workload: the same {len(plan.requests)} transcriptions at every level (`mmcpu.dev.bench.plan.workload`:"
         " espeak-ng sentences joined end to end, 130 wpm, 16 kHz, shuffled once with a fixed seed). All requests of "
-        f"a round are sent at once with at most *c* in flight; {plan.reps} round(s) per level and system, pooled "
+        f"a round are sent at once with at most *c* in flight; {plan.reps} round(s) per level and system (variants:"
+        " the levels and rounds their tables show), pooled "
         "(walls add up; the spread is min-max over rounds). Decoding everywhere: greedy, language en, no timestamps.",
         f"faster-whisper (in-process in the bench venv, same CTranslate2 weights our checkpoint is converted from) "
         f"first tries every (cpu_threads, num_workers) of {plan.fw_grid} with num_workers <= c, on every "

@@ -218,7 +218,7 @@ class Bench:
         requests in flight change nothing), on every fw_search_every-th request; the best throughput wins."""
         subset = clips[:: self.plan.fw_search_every]
         for key, peer in self.fws.items():
-            for c in self.plan.audio_levels:
+            for c in self.plan.levels_of(key):
                 rows = []
                 for t, w in [g for g in self.plan.fw_grid if g[1] <= c] or self.plan.fw_grid[:1]:
                     fn = lambda t=t, w=w, c=c, peer=peer: peer.audio_round(subset, c, t, w)  # noqa: E731
@@ -251,11 +251,11 @@ class Bench:
         self.warm(system.key, lambda: http.transcribe(clips[0]))
         players: dict[str, Callable[[int], Round]] = {system.key: lambda c: http.audio_round(clips, c)}
         players |= {p: lambda c, p=p: self.fw_round(p, clips, c) for p in system.peers if p in self.fws}
-        levels = self.plan.audio_levels
+        levels = self.plan.levels_of(system.key)
         for n, c in enumerate(levels):
             order = list(players)[n % len(players):] + list(players)[: n % len(players)]
             for who in order:
-                for rep in range(self.plan.reps):
+                for rep in range(system.reps or self.plan.reps):
                     prof = None
                     if system.ours and who == system.key and rep == 0 and c in (levels[0], levels[-1]):
                         prof = (f"Whisper transcription, {system.label}, concurrency {c}", eng)
