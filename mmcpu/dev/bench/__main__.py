@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="latency: also write the figures here")
     parser.add_argument("--dry-run", action="store_true", help="defaults: print the row, do not write it")
     args = parser.parse_args(argv)
+    # SIGTERM (e.g. `kill PID`) unwinds like Ctrl-C, so every engine started is stopped by its finally block
+    # (they run in their own sessions and would outlive an abrupt exit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from mmcpu.dev.bench import plan as plans
     from mmcpu.dev.bench import run
