@@ -13,7 +13,7 @@ builders (mmcpu.dev.payloads) and speech (mmcpu.dev.speech):
 One line per check; exit 0 only if every check passes. MRV2 evidence is in the engines' logs, which this
 container cannot see: ``make e2e`` checks them after the smoke has passed.
 
-Two more modes for ``make e2e``'s fault tests (scripts/docker-e2e):
+Two more modes for ``make e2e``'s fault tests (tests/e2e):
   --load N [--concurrency C]   a bounded mixed load (audio and vision; half of each with sampling options,
                                temperature 0.8 / top_p 0.9); one ``[load] {json}`` line per request with its
                                wall-clock start/end, then a summary with p50/p95; exit 0 only with 0 failures.
@@ -242,6 +242,28 @@ def _hard_result(result) -> str:
 
 
 # --- fault-test modes ------------------------------------------------------------------------------
+LOAD_RECORD = "[load] "
+LOAD_SUMMARY = "[load-summary] "
+
+
+def read_load(output: str) -> tuple[list[dict], dict | None]:
+    """The per-request records and the summary (None until printed) in a ``--load`` run's output; a line still
+    being written (the run goes on) is skipped."""
+    records, summary = [], None
+    for line in output.splitlines():
+        for prefix in (LOAD_RECORD, LOAD_SUMMARY):
+            if line.startswith(prefix):
+                try:
+                    value = json.loads(line[len(prefix):])
+                except ValueError:
+                    continue
+                if prefix == LOAD_RECORD:
+                    records.append(value)
+                else:
+                    summary = value
+    return records, summary
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (0 for no values)."""
     ordered = sorted(values)
@@ -283,7 +305,7 @@ def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = 
             record.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:150]}")
         record["t1"] = round(time.time(), 3)
         with print_lock:  # one whole line per record: threads' prints must not interleave
-            sys.stdout.write(f"[load] {json.dumps(record)}\n")
+            sys.stdout.write(f"{LOAD_RECORD}{json.dumps(record)}\n")
             sys.stdout.flush()
         return record
 
@@ -328,7 +350,7 @@ def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = 
             summary[label] = {"n": len(part), "failures": sum(not r["ok"] for r in part),
                               "p50_s": round(percentile(part_lat, 50), 2),
                               "p95_s": round(percentile(part_lat, 95), 2)}
-    print(f"[load-summary] {json.dumps(summary)}", flush=True)
+    print(f"{LOAD_SUMMARY}{json.dumps(summary)}", flush=True)
     return summary["failures"] == 0
 
 
