@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=8, help="latency: requests per engine")
     parser.add_argument("--json", type=Path, help="latency: also write the figures here")
     parser.add_argument("--dry-run", action="store_true", help="defaults: print the row, do not write it")
+    parser.add_argument("--roles", default="audio,vision", help="defaults: the roles to measure (the others keep "
+                        "their row's candidates)")
     args = parser.parse_args(argv)
     # SIGTERM (e.g. `kill PID`) unwinds like Ctrl-C, so every engine started is stopped by its finally block
     # (they run in their own sessions and would outlive an abrupt exit).
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "defaults":
         from mmcpu.dev.bench import defaults
 
-        return defaults.run(args.reps or 2, dry_run=args.dry_run)
+        return defaults.run(args.reps or 2, dry_run=args.dry_run, roles=tuple(args.roles.split(",")))
     if args.mode == "render":
         return run.write(Results.model_validate_json((out / "bench" / "results.json").read_text()), out, bench_python)
     settings = get_settings()

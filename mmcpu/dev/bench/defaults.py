@@ -50,7 +50,8 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
             engines[key] = Engine(model, logs / f"defaults-{role}-{key}.log",
                                   vllm_args=[*role_args, "--dtype", choice.dtype]).start()
         clips = inputs.clips(plans.workload(), settings.cache_dir / "bench" / "clips")
-        chats = [[test_image(1)] if i % 2 == 0 else [test_image(2), test_image(3)] for i in range(16)]
+        # 48 chats: a vision round is otherwise ~1 s, too short to time against the machine's noise
+        chats = [[test_image(1)] if i % 2 == 0 else [test_image(2), test_image(3)] for i in range(48)]
         https = {k: Http(e.base_url, audio_model=e.name, vision_model=e.name) for k, e in engines.items()}
         for http in https.values():  # the first request pays lazy initialisation; it is not timed
             http.transcribe(clips[0]) if role == "audio" else http.chat([test_image(1)])
@@ -83,12 +84,18 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
     return out
 
 
-def run(reps: int, dry_run: bool = False) -> int:
+def run(reps: int, dry_run: bool = False, roles: tuple[str, ...] = ("audio", "vision")) -> int:
+    """Measure ``roles`` (a role left out keeps the candidates its row already has, e.g. to re-measure one role
+    whose rounds ran under foreign load) and rewrite this CPU's row."""
     settings, info = get_settings(), cpu.current()
     logs = settings.cache_dir / "logs" / "bench"
     logs.mkdir(parents=True, exist_ok=True)
     log(f"CPU {info.line()}: measuring the defaults of isa class {info.isa}")
-    measured = {role: measure_role(role, settings, info.isa, reps, logs) for role in ("audio", "vision")}
+    kept = defaults.table().rows[info.isa].candidates
+    if missing := [r for r in ("audio", "vision") if r not in roles and r not in kept]:
+        raise SystemExit(f"error: the {info.isa} row has no measured {', '.join(missing)} candidates to keep")
+    measured = {role: measure_role(role, settings, info.isa, reps, logs) if role in roles else kept[role]
+                for role in ("audio", "vision")}  # fmt: skip
     chosen = {role: defaults.pick(role, cands) for role, cands in measured.items()}
     ref = next(c for c in measured["audio"] if c.choice == Choice(dtype="float32"))
     lines = []
