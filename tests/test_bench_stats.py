@@ -175,6 +175,11 @@ def _plan(tmp_path: Path, **settings: object) -> plans.Plan:
     return plans.build("full", Settings(models_dir=tmp_path, **settings), variants=[])
 
 
+def _f32_plan(tmp_path: Path) -> plans.Plan:
+    """A plan whose default is float32 unquantised (its own float32 reference) on every CPU, whatever its row."""
+    return _plan(tmp_path, dtype="float32")
+
+
 def test_headline_keys_are_issue_17s_and_follow_the_plan(tmp_path):
     plan = _plan(tmp_path)
     assert {f.key for f in plan.figures()} == ISSUE_17_KEYS
@@ -225,7 +230,7 @@ def _results(plan: plans.Plan) -> Results:
 
 
 def test_headline_from_a_typed_result(tmp_path):
-    res = _results(_plan(tmp_path))
+    res = _results(_f32_plan(tmp_path))
     head = res.headline
     assert set(head) == ISSUE_17_KEYS | STARTUP_KEYS - {"engine_ready_warm_s", "compose_up_to_serving_s"}
     assert head["audio_default/fw_int8@c=1"] == pytest.approx(2.0)  # 20 / 10 in the same phase, not 20 / 5
@@ -243,7 +248,7 @@ def test_headline_from_a_typed_result(tmp_path):
 
 
 def test_results_round_trip_through_json_and_the_report_leads_with_the_cpu(tmp_path):
-    res = _results(_plan(tmp_path))
+    res = _results(_f32_plan(tmp_path))
     again = Results.model_validate_json(res.model_dump_json())
     assert again == res and again.systems[res.plan.ours].audio[16].throughput == 320.0
     md = report.render(res)
