@@ -179,6 +179,15 @@ def test_032_cpu_worker_needs_no_patch_of_ours(site):
     assert r.returncode == 0 and states(r.stdout) == {n: "upstream" for n in worker}, r.stdout
 
 
+def test_032_host_work_patches_still_apply(site):
+    """0016 (Whisper encoder clamp only in float16) and 0017 (MRV2 restages the sampler only for new requests):
+    0.32.0 still has both costs, and the patches apply to its files as they are."""
+    host_work = ["0016-whisper-encoder-clamp-only-float16.patch",
+                 "0017-mrv2-restage-sampler-only-for-new-requests.patch"]
+    r = run("status", "--site", site("0.32.0"), "--only", *host_work)
+    assert r.returncode == 0 and states(r.stdout) == {n: "pending" for n in host_work}, r.stdout
+
+
 def test_upstream_probe_fallback(site):
     """When upstream moved the code so much that even a fuzzy reverse fails, Upstream-Probe decides."""
     s = site("0.32.0")
