@@ -8,6 +8,8 @@
     latency  make latency: per-request latency of ours and of the vision engine, MRV2 against V1 (prints figures)
     defaults measure this CPU's row of mmcpu/cpu_defaults.json (each role's dtype x quantisation candidates, their
              engines up together, rounds rotating; mmcpu.defaults.pick chooses) and rewrite that row
+    compose  measure `compose up` to serving with the current image (make image) into OUT/bench/results.json and
+             re-write the report: for a full run whose image was stale (it is measured last, the stack alone)
     render   re-write OUT/benchmarks.md and the plot from OUT/bench/results.json, measuring nothing
 """
 
@@ -28,7 +30,7 @@ def ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmcpu.dev.bench", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("mode", choices=("full", "quick", "latency", "defaults", "render"))
+    parser.add_argument("mode", choices=("full", "quick", "latency", "defaults", "compose", "render"))
     parser.add_argument("--out", type=Path, help="default: docs (full, render), .cache/bench-quick (quick)")
     parser.add_argument("--bench-venv", type=Path, default=REPO_ROOT / ".cache" / "bench-venv")
     parser.add_argument("--levels", type=ints, help="audio concurrency levels (default: the mode's)")
@@ -62,8 +64,17 @@ def main(argv: list[str] | None = None) -> int:
         from mmcpu.dev.bench import defaults
 
         return defaults.run(args.reps or 2, dry_run=args.dry_run, roles=tuple(args.roles.split(",")))
-    if args.mode == "render":
-        return run.write(Results.model_validate_json((out / "bench" / "results.json").read_text()), out, bench_python)
+    if args.mode in ("render", "compose"):
+        results = Results.model_validate_json((out / "bench" / "results.json").read_text())
+        if args.mode == "compose":
+            from mmcpu.dev.bench.results import headline
+
+            results.compose = run.compose_serving()
+            results.headline = headline(results)
+            if "error" in results.compose:
+                print(f"error: {results.compose['error']}", file=sys.stderr)
+                return 1
+        return run.write(results, out, bench_python)
     settings = get_settings()
     if args.variants in (None, "auto"):
         variants = None if args.mode == "full" or args.variants == "auto" else []
