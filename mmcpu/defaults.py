@@ -28,6 +28,7 @@ Quantization = Literal["none", "int8"]
 INT8_SUFFIX = "-int8"  # mmcpu-quantize's DST for the image's and the README's checkpoints: <model>-int8
 # The audio role may trade this much WER (absolute) against float32 for speed (issue 17's bound).
 WER_SLACK = 0.02
+TIE = 0.05  # throughput differences this small are within a 2-CPU machine's noise (docs/bench/host-work.md: ±4 %)
 
 
 class Choice(BaseModel):
@@ -62,14 +63,26 @@ class Table(BaseModel):
     rows: dict[str, Row]
 
 
+def memory_rank(choice: Choice) -> tuple[int, int]:
+    """Smaller first: bytes per weight, then per activation / KV cache entry (int8 + bf16 < bf16 < int8 + float32
+    < float32)."""
+    act = 4 if choice.dtype == "float32" else 2
+    return (1 if choice.quantization == "int8" else act), act
+
+
 def pick(role: str, candidates: list[Candidate]) -> Choice:
-    """The rule of every measured row. Audio: the fastest candidate whose WER is within WER_SLACK of float32's
-    unquantised (the reference); vision: the fastest (its fixture has random weights: no quality to compare)."""
+    """The rule of every measured row. Audio: only candidates whose WER is within WER_SLACK of float32's
+    unquantised (the reference); vision: all (its fixture has random weights: no quality to compare). Then the
+    fastest, except that a candidate within TIE of the fastest and lighter in memory wins: a real model served in
+    bf16 needs half the weights and KV cache (llava-smollm2's 8k context does not fit the default 0.25 GiB KV cache
+    in float32)."""
     if role == "audio":
         ref = next(c for c in candidates if c.choice == Choice(dtype="float32"))
         candidates = [c for c in candidates if c.wer is not None and ref.wer is not None
                       and c.wer <= ref.wer + WER_SLACK + 1e-9]  # fmt: skip
-    return max(candidates, key=Candidate.score).choice
+    best = max(c.score() for c in candidates)
+    near = [c for c in candidates if c.score() >= best * (1 - TIE)]
+    return min(near, key=lambda c: (memory_rank(c.choice), -c.score())).choice
 
 
 @lru_cache(maxsize=1)
@@ -148,4 +161,6 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
         else:
             wanted, qwhy = "none", f"quantization none: the default is int8, but no {Path(model).name}{INT8_SUFFIX}"
     why.append(qwhy)
+    if why == ["dtype: " + source, "quantization: " + source]:  # both from the row: say where once
+        why = ["dtype and quantization: " + source]
     return Resolved(model=served, dtype=final_dtype, quantization=wanted, why="; ".join(why))

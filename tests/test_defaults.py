@@ -56,6 +56,10 @@ def test_pick_trades_at_most_the_wer_slack_for_speed():
     # the geometric mean: one fast level does not hide a slow one (3*30 < 15*20... per level: 0.2x and 1.5x)
     assert defaults.pick("audio", [ref, cand(BF16, 3, 30, wer=0.1)]) == F32
     assert defaults.pick("vision", [cand(F32, 10, 12), cand(Choice(dtype="auto"), 11, 13)]) == Choice(dtype="auto")
+    # within 5 % the lighter candidate wins (half the weights and KV cache), beyond it the faster
+    assert defaults.pick("vision", [cand(F32, 20, 63), cand(BF16, 21, 55.5)]) == BF16
+    assert defaults.pick("vision", [cand(F32, 20, 63), cand(BF16, 18, 50)]) == F32
+    assert defaults.pick("audio", [ref, cand(BF16, 33.8, 47.4, 0.107), cand(BF16_INT8, 32.8, 51.1, 0.107)]) == BF16_INT8
     with pytest.raises(StopIteration):  # no float32 reference: nothing to hold the WER against
         defaults.pick("audio", [cand(BF16, 3, 30, wer=0.1)])
 
@@ -134,7 +138,8 @@ def test_launcher_logs_the_choice_and_refuses_with_exit_2(monkeypatch, capsys, t
     try:
         assert launch.entrypoint(["audio"]) == 0
         err = capsys.readouterr().err
-        assert f"[mmcpu] audio: dtype float32, quantization int8 ({model}-int8): dtype: per-CPU default" in err
+        assert f"[mmcpu] audio: dtype float32, quantization int8 ({model}-int8): dtype and quantization: per-CPU " \
+               "default for isa" in err
         assert f"[mmcpu] audio: CPU {cpu.current().line()}" in err  # the ISA the choice was made for
         assert launch.main(["--model", model]) == 0  # mmcpu-serve: the model as given
         assert f"[mmcpu] engine: dtype float32, quantization none ({model})" in capsys.readouterr().err
