@@ -24,6 +24,7 @@ from mmcpu import cpu
 
 TABLE_PATH = Path(__file__).with_name("cpu_defaults.json")
 ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "baseline")
+BF16_ISAS = ("amx", "avx512_bf16")  # bf16 in hardware; elsewhere it is emulated (whisper-base 4.3x slower on AVX2)
 Quantization = Literal["none", "int8"]
 INT8_SUFFIX = "-int8"  # mmcpu-quantize's DST for the image's and the README's checkpoints: <model>-int8
 # The audio role may trade this much WER (absolute) against float32 for speed (issue 17's bound).
@@ -133,18 +134,14 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
     choice: Choice = getattr(r, role)
     source = f"per-CPU default for isa {isa}" + (f" (measured on {r.measured_on}, {r.date})" if r.measured_on
                                                  else " (not measured on this kind of CPU)")  # fmt: skip
-    why = []
-    final_dtype = dtype or choice.dtype
-    why.append("dtype from MMCPU_DTYPE" if dtype else "dtype: " + source)
+    dwhy = "dtype from MMCPU_DTYPE" if dtype else "dtype: " + source
     if quantization == "auto":
         wanted = choice.quantization if apply_table_quantization and speech else "none"
         qwhy = "quantization: " + source if wanted == choice.quantization else "quantization: the model as given"
     else:
         wanted, qwhy = quantization, "quantization from MMCPU_QUANTIZATION"
-    if wanted == "int8" and not speech:
-        if quantization == "int8":
-            raise Refused(f"MMCPU_QUANTIZATION=int8 applies to Whisper checkpoints only; {model} is not one")
-        wanted = "none"
+    if wanted == "int8" and not speech:  # only an explicit int8 gets here ("auto" stays "none" for them)
+        raise Refused(f"MMCPU_QUANTIZATION=int8 applies to Whisper checkpoints only; {model} is not one")
     served = model
     if is_quantized(Path(model)):
         if quantization == "none":
@@ -160,7 +157,6 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
                           f"(make one: mmcpu-quantize {model} {model}{INT8_SUFFIX})")
         else:
             wanted, qwhy = "none", f"quantization none: the default is int8, but no {Path(model).name}{INT8_SUFFIX}"
-    why.append(qwhy)
-    if why == ["dtype: " + source, "quantization: " + source]:  # both from the row: say where once
-        why = ["dtype and quantization: " + source]
-    return Resolved(model=served, dtype=final_dtype, quantization=wanted, why="; ".join(why))
+    both = not dtype and qwhy == "quantization: " + source  # both from the row: say where once
+    why = "dtype and quantization: " + source if both else f"{dwhy}; {qwhy}"
+    return Resolved(model=served, dtype=dtype or choice.dtype, quantization=wanted, why=why)

@@ -245,26 +245,32 @@ def choose(role: str, model: str, settings: Settings, *, from_table: bool = True
                             speech=model_kind(model) == "audio", apply_table_quantization=from_table)
 
 
-def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None = None,
-                  cpus: Cpus | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, argv, env) of every process a container role runs; the ``all`` role splits the CPUs. An engine
-    role serves its model under its configured name even when the int8 checkpoint beside it is loaded."""
+def role_choices(role: str, settings: Settings) -> dict[str, defaults.Resolved]:
+    """What each engine of a container role (audio / vision, both for ``all``) loads, as :func:`choose` says.
+    Raises defaults.Refused."""
+    models = {"audio": settings.audio_model, "vision": settings.vision_model}
+    return {name: choose(name, models[name], settings) for name in models if role in (name, "all")}
+
+
+def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None = None, cpus: Cpus | None = None,
+                  chosen: dict[str, defaults.Resolved] | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, argv, env) of every process a container role runs; the ``all`` role splits the CPUs. ``chosen``:
+    :func:`role_choices`, when the caller has it already. An engine serves its model under its configured name
+    even when the int8 checkpoint beside it is loaded."""
     cpus = cpus or Cpus.current()
+    chosen = role_choices(role, settings) if chosen is None else chosen
     audio_cpus, vision_cpus = cpus.split(2) if role == "all" else (cpus, cpus)
-    engines = {}
-    for name, model, port, args, part in (
-            ("audio", settings.audio_model, settings.audio_port, settings.audio_args, audio_cpus),
-            ("vision", settings.vision_model, settings.vision_port, settings.vision_args, vision_cpus)):
-        if role not in (name, "all"):
-            continue
-        c = choose(name, model, settings)
-        engines[name] = (name, engine_argv(c.model, settings, port=port, served_model_name=served_name(model),
-                                           extra=shlex.split(args), dtype=c.dtype),
-                         engine_env(settings, base, part, port))
-    gateway = ("gateway", [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
-               dict(os.environ if base is None else base))
-    return {"audio": [engines.get("audio")], "vision": [engines.get("vision")], "gateway": [gateway],
-            "all": [engines.get("audio"), engines.get("vision"), gateway]}[role]
+    engines = {"audio": (settings.audio_model, settings.audio_port, settings.audio_args, audio_cpus),
+               "vision": (settings.vision_model, settings.vision_port, settings.vision_args, vision_cpus)}
+    out = []
+    for name, c in chosen.items():
+        model, port, args, part = engines[name]
+        out.append((name, engine_argv(c.model, settings, port=port, served_model_name=served_name(model),
+                                      extra=shlex.split(args), dtype=c.dtype), engine_env(settings, base, part, port)))
+    if role in ("gateway", "all"):
+        gateway = "import sys; from mmcpu.gateway.app import main; sys.exit(main())"
+        out.append(("gateway", [sys.executable, "-c", gateway], dict(os.environ if base is None else base)))
+    return out
 
 
 class Watchdog(threading.Thread):
@@ -474,15 +480,16 @@ def entrypoint(argv: list[str] | None = None) -> int:
         return 2
     ports = {"audio": settings.audio_port, "vision": settings.vision_port}
     log_cpu(args.role)
-    models = {"audio": settings.audio_model, "vision": settings.vision_model}
-    for name in [n for n in ("audio", "vision") if args.role in (n, "all")]:
-        try:
-            print(choose(name, models[name], settings).line(name), file=sys.stderr, flush=True)
-        except defaults.Refused as exc:
-            print(f"[mmcpu] {name}: refusing to start: {exc}", file=sys.stderr, flush=True)
-            return 2
-    engines = {name: (ports[name], name) for name in ("audio", "vision") if args.role in (name, "all")}
-    return run(role_commands(args.role, settings), args.role, settings, ports, watchdogs(settings, engines))
+    try:
+        chosen = role_choices(args.role, settings)
+    except defaults.Refused as exc:
+        print(f"[mmcpu] {args.role}: refusing to start: {exc}", file=sys.stderr, flush=True)
+        return 2
+    for name, c in chosen.items():
+        print(c.line(name), file=sys.stderr, flush=True)
+    engines = {name: (ports[name], name) for name in chosen}
+    return run(role_commands(args.role, settings, chosen=chosen), args.role, settings, ports,
+               watchdogs(settings, engines))
 
 
 if __name__ == "__main__":

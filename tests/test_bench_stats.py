@@ -297,3 +297,22 @@ def test_variants_run_fewer_levels_and_their_own_peer_only_there(tmp_path):
     (peer,) = variant.peers  # faster-whisper on whisper-base's own weights, searched only where it is compared
     assert plan.levels_of(peer) == plan.levels_of("whisper-base")
     assert plan.levels_of(plan.peer) == plan.audio_levels  # ours' peer: every level
+
+
+def test_a_disturbed_round_is_taken_again_up_to_the_bound(monkeypatch):
+    from mmcpu.dev.bench import runners
+
+    loads = iter([True, True, False] + [True] * 10)  # other processes ran in the first two rounds
+
+    class Watch:
+        def stop(self) -> dict:
+            return {"loadavg_1m": 1.0, "foreign_cores": 1.0, "flagged": next(loads)}
+
+    monkeypatch.setattr(runners, "CpuWatch", Watch)
+    monkeypatch.setattr(runners, "RETAKE_PAUSE_S", 0)
+    taken = []
+    result, load = runners.undisturbed(lambda: taken.append(1) or len(taken), "test")
+    assert (result, load["flagged"]) == (3, False)  # the first undisturbed round counts
+    taken.clear()
+    result, load = runners.undisturbed(lambda: taken.append(1) or len(taken), "test")
+    assert result == runners.RETAKES + 1 and load["flagged"]  # still disturbed after RETAKES: the last, flagged

@@ -14,7 +14,6 @@ from mmcpu.dev.fixtures import config_only
 
 F32, BF16 = Choice(dtype="float32"), Choice(dtype="bfloat16")
 F32_INT8, BF16_INT8 = Choice(dtype="float32", quantization="int8"), Choice(dtype="bfloat16", quantization="int8")
-BF16_HARDWARE = ("amx", "avx512_bf16")
 
 
 def test_every_isa_class_has_a_row_and_bf16_only_where_the_hardware_has_it():
@@ -39,7 +38,7 @@ def test_measured_rows_hold_what_their_own_measurements_pick():
         audio = row.candidates["audio"]
         assert F32 in [c.choice for c in audio], f"{isa}: the float32 reference was not measured"
         assert all(c.wer is not None for c in audio), isa
-        if isa not in BF16_HARDWARE:
+        if isa not in defaults.BF16_ISAS:
             assert all("bf" not in c.choice.dtype and c.choice.dtype != "auto" for c in audio), isa
         for role in ("audio", "vision"):
             assert defaults.pick(role, row.candidates[role]) == getattr(row, role), (isa, role)

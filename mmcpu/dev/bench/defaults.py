@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,21 +18,19 @@ from mmcpu import cpu, defaults
 from mmcpu.config import Settings, get_settings
 from mmcpu.defaults import Candidate, Choice, Row
 from mmcpu.dev.bench import inputs, plan as plans
-from mmcpu.dev.bench.runners import CpuWatch, Http, log
+from mmcpu.dev.bench.run import vision_requests
+from mmcpu.dev.bench.runners import Http, log, undisturbed
 from mmcpu.dev.bench.stats import Round, merge_rounds, wer
 from mmcpu.dev.payloads import test_image
 from mmcpu.dev.servers import Engine
 
-BF16_HARDWARE = ("amx", "avx512_bf16")  # elsewhere bf16 is emulated: not a candidate
 LEVELS = {"audio": [1, 8], "vision": [1, 4]}
-ATTEMPTS = 4  # per round, while other processes' load flags it (runners.CpuWatch)
 
 
 def candidates(role: str, settings: Settings, isa: str) -> list[tuple[Choice, Path]]:
     """(choice, checkpoint) of every configuration worth measuring for ``role`` on this ISA class."""
-    configured = settings.audio_model if role == "audio" else settings.vision_model
-    model = Path(configured) if Path(configured).is_dir() else settings.models_dir / Path(configured).name
-    dtypes = ["float32", "bfloat16"] if isa in BF16_HARDWARE else ["float32"]
+    model = plans.configured_model(role, settings)
+    dtypes = ["float32", "bfloat16"] if isa in defaults.BF16_ISAS else ["float32"]  # bf16 emulated elsewhere
     out = [(Choice(dtype=d), model) for d in dtypes]
     if role == "audio" and (int8 := defaults.int8_sibling(str(model))) is not None:
         out += [(Choice(dtype=d, quantization="int8"), int8) for d in dtypes]
@@ -52,8 +49,7 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
             engines[key] = Engine(model, logs / f"defaults-{role}-{key}.log",
                                   vllm_args=[*role_args, "--dtype", choice.dtype]).start()
         clips = inputs.clips(plans.workload(), settings.cache_dir / "bench" / "clips")
-        # 48 chats: a vision round is otherwise ~1 s, too short to time against the machine's noise
-        chats = [[test_image(1)] if i % 2 == 0 else [test_image(2), test_image(3)] for i in range(48)]
+        chats = vision_requests(48)  # 48: a round of the benchmark's 16 takes ~1 s, too short against the noise
         https = {k: Http(e.base_url, audio_model=e.name, vision_model=e.name) for k, e in engines.items()}
         for http in https.values():  # the first request pays lazy initialisation; it is not timed
             http.transcribe(clips[0]) if role == "audio" else http.chat([test_image(1)])
@@ -63,15 +59,9 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
             for rep in range(reps):
                 shift = (n * reps + rep) % len(keys)
                 for key in keys[shift:] + keys[:shift]:
-                    for attempt in range(1, ATTEMPTS + 1):  # a round other work ran in is taken again
-                        watch = CpuWatch()
-                        rnd = (https[key].audio_round(clips, c) if role == "audio"
-                               else https[key].vision_round(chats, c))  # fmt: skip
-                        load = watch.stop()
-                        if not load["flagged"] or attempt == ATTEMPTS:
-                            break
-                        log(f"{role} {key} c={c}: other processes used {load['foreign_cores']} cores; again")
-                        time.sleep(10)
+                    http = https[key]
+                    rnd, load = undisturbed(lambda http=http, c=c: http.audio_round(clips, c) if role == "audio"
+                                            else http.vision_round(chats, c), f"{role} {key} c={c}")  # fmt: skip
                     s = rnd.summary()
                     log(f"{role} {key:16s} c={c} {s.ok}/{s.n} ok, {s.throughput or s.rps:.2f} "
                         f"{'audio-s/s' if role == 'audio' else 'rps'} (load {load['loadavg_1m']}, foreign "

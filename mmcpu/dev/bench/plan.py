@@ -80,15 +80,18 @@ def pairs(argv: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def configured_model(role: str, settings: Settings) -> Path:
+    """The checkpoint a role is configured with; the image's /models/NAME in a checkout: the fixture of that name."""
+    configured = Path(getattr(settings, f"{role}_model"))
+    return configured if configured.is_dir() else settings.models_dir / configured.name
+
+
 def role_engine(role: str, settings: Settings) -> tuple[Path, list[str], list[str]]:
     """The checkpoint the container role serves by default, the vLLM arguments it passes beyond what mmcpu-serve
     passes for the same model (for ``mmcpu.dev.servers.Engine``), and its whole vLLM command line."""
     from mmcpu import launch
 
-    field = f"{role}_model"
-    configured = Path(getattr(settings, field))
-    if not configured.is_dir():  # the image's /models/NAME in a checkout: the fixture of that name
-        settings = settings.model_copy(update={field: str(settings.models_dir / configured.name)})
+    settings = settings.model_copy(update={f"{role}_model": str(configured_model(role, settings))})
     ((_, argv, _),) = launch.role_commands(role, settings)
     full = argv[argv.index("vllm.entrypoints.openai.api_server") + 1 :]
     opts = pairs(full)
@@ -240,7 +243,7 @@ def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, 
         systems.append(vllm_system("float32", base, [*args, *f32], [*full, *f32], peers=[fw8.key],
                                    what="float32 reference"))
         float32 = "float32"
-    fields_levels = overrides.get("audio_levels") or MODES[mode]["audio_levels"]
+    fields = {**MODES[mode], **{k: v for k, v in overrides.items() if v is not None}}
     if variants is None:
         variants = [settings.models_dir / v for v in VARIANTS if (settings.models_dir / v).is_dir()]
     for path in variants:
@@ -252,11 +255,10 @@ def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, 
             systems.append(fw_system(src, "int8", own_key=False))
             peers = [systems[-1].key]
         systems.append(vllm_system(path.name, path, args, full, peers=peers))
-        systems[-1].levels = [c for c in (1, 8) if c in fields_levels] or fields_levels[:1]
+        systems[-1].levels = [c for c in (1, 8) if c in fields["audio_levels"]] or fields["audio_levels"][:1]
         systems[-1].reps = 1
     vmodel, vargs, vfull = role_engine("vision", settings)
     systems += [vllm_system("vision_mrv2", vmodel, vargs, vfull, role="vision", ours=True),
                 vllm_system("vision_v1", vmodel, vargs, vfull, role="vision", runner="v1")]
-    fields = {**MODES[mode], **{k: v for k, v in overrides.items() if v is not None}}
     return Plan(mode=mode, requests=workload(), vision_requests=16, fw_batch_size=8, systems=systems, ours=ours.key,
                 peer=fw8.key, v1="v1", float32=float32, vision_ours="vision_mrv2", vision_v1="vision_v1", **fields)

@@ -31,8 +31,8 @@ from mmcpu.dev.bench import inputs, profiles, report
 from mmcpu.dev.bench.plan import Plan, System
 from mmcpu.dev.bench.results import Meta, Mixed, Results, RoundRecord, SearchRow, Startup, SystemResult
 from mmcpu.dev.bench.results import headline, missing
-from mmcpu.dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, CpuWatch, FasterWhisper, Gateway, Http, Profiler,
-                                     RssSampler, log, run_round, worker_cpus, worker_pid)  # fmt: skip
+from mmcpu.dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, FasterWhisper, Gateway, Http, Profiler, RssSampler,
+                                     log, run_round, undisturbed, worker_cpus, worker_pid)  # fmt: skip
 from mmcpu.dev.bench.stats import Round, merge_rounds, ratio, summarize, wer
 from mmcpu.dev.payloads import test_image
 from mmcpu.dev.servers import Engine
@@ -48,9 +48,6 @@ UPSTREAM_IMAGE = [
     "vLLM's docs name `public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo` and, for later releases, "
     "`vllm/vllm-openai-cpu:latest-x86_64` on Docker Hub; no published size was found for a release near 0.26.",
 ]
-
-
-RETAKES = 3  # a disturbed round is taken again this many times at most (a shared machine; see measured())
 
 
 def loadavg() -> str:
@@ -185,26 +182,20 @@ class Bench:
 
     def measured(self, kind: str, phase: str, who: str, c: int, fn: Callable[[], Round],
                  profile: tuple[str, Engine] | None = None) -> Round:  # fmt: skip
-        """One round with its load record; under py-spy on the engine's worker when profile=(title, engine). A
-        round during which other processes used more than FOREIGN_CORES_LIMIT cores is taken again (up to
-        RETAKES times, after a pause); the last one counts, flagged if it still was disturbed."""
-        for attempt in range(RETAKES + 1):
-            watch = CpuWatch()
-            if profile and not self.args.no_profile:
-                title, eng = profile
-                out = self.logs / f"profile-{len(self.raw_profiles)}-{len(self.raw_profiles[title])}.txt"
-                with Profiler(self.bench_python.parent / "py-spy", worker_pid(eng), out) as prof:
-                    rnd = fn()
-                raw = f"error: {prof.error}" if prof.error else prof.raw()
-            else:
+        """One round with its load record (a disturbed one is taken again: runners.undisturbed); under py-spy on
+        the engine's worker when profile=(title, engine)."""
+        def take() -> tuple[Round, str | None]:
+            if not profile or self.args.no_profile:
+                return fn(), None
+            title, eng = profile
+            out = self.logs / f"profile-{len(self.raw_profiles)}-{len(self.raw_profiles[title])}.txt"
+            with Profiler(self.bench_python.parent / "py-spy", worker_pid(eng), out) as prof:
                 rnd = fn()
-            load = watch.stop()
-            if not load["flagged"] or attempt == RETAKES:
-                break
-            log(f"{kind} {who} c={c}: other processes used {load['foreign_cores']} cores; taking it again")
-            time.sleep(15)
-        if profile and not self.args.no_profile:
-            self.raw_profiles[title].append(raw)
+            return rnd, f"error: {prof.error}" if prof.error else prof.raw()
+
+        (rnd, raw), load = undisturbed(take, f"{kind} {who} c={c}")
+        if raw is not None:
+            self.raw_profiles[profile[0]].append(raw)
         s = rnd.summary()
         self.results.rounds.append(RoundRecord(kind=kind, phase=phase, system=who, concurrency=c,
                                                throughput=s.throughput, rps=s.rps, p50_s=s.p50_s,

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import openai
 import psutil
@@ -26,6 +27,7 @@ from mmcpu.proc import stop_group, tree_rss
 
 PEER = Path(__file__).with_name("peer.py")  # run by path by the bench venv's python (-P: this folder off sys.path)
 FOREIGN_CORES_LIMIT = 0.25  # a round during which other processes used more cores than this is flagged
+T = TypeVar("T")
 
 
 def log(msg: str) -> None:
@@ -234,6 +236,26 @@ class CpuWatch:
         foreign = max(0.0, (self._busy() - self.sys0) - (self._ours() - self.ours0)) / wall
         return {"loadavg_1m": round(self.load, 2), "foreign_cores": round(foreign, 2),
                 "flagged": foreign > FOREIGN_CORES_LIMIT}  # fmt: skip
+
+
+RETAKES = 3  # a disturbed round is taken again this many times at most (a shared machine)
+RETAKE_PAUSE_S = 15
+
+
+def undisturbed(take: Callable[[], T], what: str) -> tuple[T, dict]:
+    """``take()`` (one round) with its load record (CpuWatch). A round during which other processes used more
+    than FOREIGN_CORES_LIMIT cores is taken again, after a pause, up to RETAKES times; the last one counts,
+    flagged if it still was disturbed."""
+    retakes = 0
+    while True:
+        watch = CpuWatch()
+        result = take()
+        load = watch.stop()
+        if not load["flagged"] or retakes == RETAKES:
+            return result, load
+        log(f"{what}: other processes used {load['foreign_cores']} cores; taking it again")
+        retakes += 1
+        time.sleep(RETAKE_PAUSE_S)
 
 
 class Profiler:
