@@ -56,6 +56,7 @@ class Engine:
     runner: str = "v2"
     port: int = field(default_factory=free_port)
     pythonpath: Path | None = None  # put a vLLM copy (e.g. the unpatched overlay) in front of site-packages
+    python: Path | None = None  # another venv's interpreter (the proof line's); default: this one
     vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra settings for this engine, e.g. MMCPU_KERNELS
     served_model_name: str | None = None  # default: the model folder's name (mmcpu-serve's default too)
@@ -110,7 +111,7 @@ class Engine:
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.pythonpath), env.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "mmcpu.launch", "--model", str(self.model), "--port", str(self.port)]
+        cmd = [str(self.python or sys.executable), "-m", "mmcpu.launch", "--model", str(self.model), "--port", str(self.port)]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.vllm_args:
