@@ -43,12 +43,15 @@ def _gather_block_tables_kernel(grid, batch_idx_to_req_idx, src_block_table_ptrs
 
 
 @native("vllm.v1.worker.gpu.block_table", "_compute_slot_mappings_kernel",
-        sha256="763d08a8c0f148eaecff8cedd1ee4cd6e57934c07d10885875342c62202a98dc")
+        sha256="71e2f8ce757c54aa44508718efa7cb2a08ec81d2b8dfba46f26af7c66de10d74")
 def _compute_slot_mappings_kernel(grid, max_num_tokens, idx_mapping, query_start_loc, pos, block_table_ptrs,
-                                  block_table_strides, block_sizes, slot_mappings_ptr, slot_mappings_stride,
-                                  cp_rank, CP_SIZE, CP_INTERLEAVE, PAD_ID, TRITON_BLOCK_SIZE):
+                                  block_table_strides, block_sizes, slot_mapping_enabled, dcp_sharded,
+                                  slot_mappings_ptr, slot_mappings_stride, cp_rank, CP_SIZE, CP_INTERLEAVE, PAD_ID,
+                                  TRITON_BLOCK_SIZE):
     # Program (g, b < num_reqs): slot of each token in [qsl[b], qsl[b+1]) from its position and req's block
-    # table; the last program (b == num_reqs) pads slot_mappings[g, qsl[num_reqs]:max_num_tokens] with PAD_ID.
+    # table; PAD_ID for a dummy request (idx_mapping < 0), a group without slot mapping, or (context
+    # parallelism) a token another rank holds. The last program (b == num_reqs) pads
+    # slot_mappings[g, qsl[num_reqs]:max_num_tokens] with PAD_ID.
     num_groups, n = grid[0], grid[1] - 1
     qsl = flat(query_start_loc)[:n + 1].astype(np.int64)
     starts = qsl[:n]
@@ -57,26 +60,36 @@ def _compute_slot_mappings_kernel(grid, max_num_tokens, idx_mapping, query_start
     offs = starts[seg] + within
     positions = flat(pos)[offs]
     req = flat(idx_mapping)[:n].astype(np.int64)[seg]
+    real = req >= 0
     strides, sizes, addrs = flat(block_table_strides), flat(block_sizes), flat(block_table_ptrs)
+    enabled, sharded_groups = flat(slot_mapping_enabled), flat(dcp_sharded)
     out = flat(slot_mappings_ptr)
     pad_from = int(qsl[n])
     for g in range(num_groups):
         row = g * int(slot_mappings_stride)
         if offs.size:
-            block_size = sizes[g]  # a numpy int32 scalar: the kernel's products below stay int32
-            span = block_size * np.int32(CP_SIZE)
-            block_idx = req * int(strides[g]) + tdiv(positions, span)
-            block_off = np.fmod(positions, span)
-            numbers = table(addrs[g], torch.int32, int(block_idx.max()) + 1)[block_idx]
-            if CP_SIZE == 1:
-                slots = numbers * block_size + block_off
+            block_size = sizes[g]  # a numpy int32 scalar: the kernel's int32 products below stay int32
+            if CP_SIZE == 1 or not bool(sharded_groups[g]):
+                local, is_local = positions, np.ones(positions.shape, bool)
             else:
-                # Context parallelism: a token is local if its interleave chunk falls on this rank.
-                is_local = np.fmod(tdiv(block_off, CP_INTERLEAVE), CP_SIZE) == cp_rank
-                local_off = (tdiv(block_off, CP_INTERLEAVE * CP_SIZE) * CP_INTERLEAVE
-                             + np.fmod(block_off, CP_INTERLEAVE))
-                slots = np.where(is_local, numbers * block_size + local_off, PAD_ID)
-            out[row + offs] = slots
+                # Context parallelism on a sharded group: a token is local if its interleave chunk of the
+                # virtual block (the CP_SIZE ranks' blocks side by side) falls on this rank.
+                span = block_size * np.int32(CP_SIZE)
+                v_off = np.fmod(positions, span)
+                is_local = np.fmod(tdiv(v_off, CP_INTERLEAVE), CP_SIZE) == cp_rank
+                local = (tdiv(positions, span) * block_size
+                         + tdiv(v_off, CP_INTERLEAVE * CP_SIZE) * CP_INTERLEAVE + np.fmod(v_off, CP_INTERLEAVE))
+            block_off = np.fmod(local, block_size)
+            if bool(enabled[g]):
+                load = is_local & real
+                numbers = np.zeros(positions.shape, np.int32)
+                if load.any():
+                    block_idx = req[load] * int(strides[g]) + tdiv(local[load], block_size)
+                    numbers[load] = table(addrs[g], torch.int32, int(block_idx.max()) + 1)[block_idx]
+                slots = numbers * block_size + block_off
+                out[row + offs] = np.where(load, slots, PAD_ID)  # not local or not real: PAD_ID either way
+            else:
+                out[row + offs] = PAD_ID
         # The padding program has the highest program id of its group: it runs after the real ones.
         if pad_from < max_num_tokens:
             out[row + max(pad_from, 0):row + max_num_tokens] = PAD_ID

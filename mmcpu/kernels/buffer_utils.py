@@ -61,7 +61,7 @@ def _copy_ranges(out: np.ndarray, base: np.ndarray, contents: np.ndarray, src: n
 
 
 @native("vllm.v1.worker.gpu.buffer_utils", "_apply_write_kernel",
-        sha256="7a1cfbfe475648d568377ce3f86e4bb64c60772b6156cd9ae22b08b737c1f1bd")
+        sha256="7ead8dc875acc47c2c39d652856ebe7771f4ce2e2de3b1e1e5eb07cdbc4f8f59")
 def _apply_write_kernel(grid, output_ptr, output_stride, write_indices_ptr, write_starts_ptr, write_contents_ptr,
                         write_cu_lens_ptr, write_group_ids_ptr, BLOCK_SIZE, MULTI_GROUP):
     # Program pid copies contents[cu_lens[pid-1] : cu_lens[pid]] to row indices[pid] at column starts[pid]

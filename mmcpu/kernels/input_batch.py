@@ -18,12 +18,14 @@ def _i64(t, n: int) -> np.ndarray:
 
 
 @native("vllm.v1.worker.gpu.input_batch", "_prepare_prefill_inputs_kernel",
-        sha256="344e2a2fdcefc63074c514a4bf986320538c30311684cd317572f03a815c4398")
-def _prepare_prefill_inputs_kernel(grid, input_ids_ptr, next_prefill_tokens_ptr, idx_mapping_ptr,
-                                   query_start_loc_ptr, all_token_ids_ptr, all_token_ids_stride, prefill_lens_ptr,
-                                   num_computed_tokens_ptr, BLOCK_SIZE):
-    # Requests still in prefill copy their next query_len prompt tokens into input_ids, and remember the
-    # token after them (the next chunk's first) in next_prefill_tokens.
+        sha256="96d1b0d0dffd63d4c564addcfecb5ada2d7835edad2256c31258f8db1d3d6509")
+def _prepare_prefill_inputs_kernel(grid, input_ids_ptr, next_prefill_tokens_ptr, next_prefill_tokens_stride,
+                                   num_lookahead, idx_mapping_ptr, query_start_loc_ptr, all_token_ids_ptr,
+                                   all_token_ids_stride, prefill_lens_ptr, num_computed_tokens_ptr, BLOCK_SIZE,
+                                   LOOKAHEAD_BLOCK):
+    # Requests still in prefill copy their next query_len prompt tokens into input_ids, and keep the
+    # num_lookahead tokens after them (the next chunk's first ones; 0 past the prompt's end) in
+    # next_prefill_tokens[l, req].
     n = grid[0]
     req = _i64(idx_mapping_ptr, n)
     prefill_len = flat(prefill_lens_ptr)[req].astype(np.int64)
@@ -38,9 +40,17 @@ def _prepare_prefill_inputs_kernel(grid, input_ids_ptr, next_prefill_tokens_ptr,
     lens = np.where(prefilling, np.maximum(query_len, 0), 0)
     seg, within = segments(lens)
     flat(input_ids_ptr)[qsl[:-1][seg] + within] = tokens[row[seg] + within]
-    more = prefilling & (computed + query_len < prefill_len)
-    if more.any():
-        flat(next_prefill_tokens_ptr)[req[more]] = tokens[row[more] + query_len[more]]
+    ahead = int(min(max(int(num_lookahead), 0), LOOKAHEAD_BLOCK))
+    if ahead == 0:
+        return
+    b = np.flatnonzero(prefilling)
+    look = np.arange(ahead, dtype=np.int64)
+    pos = (computed[b] + query_len[b])[:, None] + look  # [prefilling requests, lookahead]
+    inside = pos < prefill_len[b][:, None]
+    src = row[b][:, None] - computed[b][:, None] + pos
+    values = np.zeros(pos.shape, tokens.dtype)
+    values[inside] = tokens[src[inside]]
+    flat(next_prefill_tokens_ptr)[look * int(next_prefill_tokens_stride) + req[b][:, None]] = values
 
 
 @native("vllm.v1.worker.gpu.input_batch", "_prepare_pos_seq_lens_kernel",

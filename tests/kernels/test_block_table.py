@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, differential, native_launches, pointer_table
+from diff import Launch, differential, native_launches, pointer_table, run_native
 
 from vllm.v1.worker.gpu import block_table as vmod
 
@@ -58,7 +58,9 @@ def test_gather_block_tables(num_groups, max_reqs, max_blocks, block):
 
 
 def slots_case(block_sizes: list[int], max_reqs: int, max_model_len: int, *, cp_size: int = 1,
-               cp_interleave: int = 1, block: int = 1024):
+               cp_interleave: int = 1, block: int = 1024, dummies: bool = False):
+    """``dummies``: some requests are dummy runs (idx_mapping -1), some groups have slot mapping disabled or
+    are not DCP-sharded (the per-group flags are random either way)."""
     num_groups = len(block_sizes)
 
     def make(seed: int) -> Launch:
@@ -83,12 +85,19 @@ def slots_case(block_sizes: list[int], max_reqs: int, max_model_len: int, *, cp_
         strides = torch.tensor([t.stride(0) for t in tables], dtype=torch.int64)
         sizes = torch.tensor(block_sizes, dtype=torch.int32)
         idx = torch.randperm(max_reqs, generator=g)[:num_reqs].to(torch.int32)
+        enabled = torch.ones(num_groups, dtype=torch.bool)
+        sharded = torch.ones(num_groups, dtype=torch.bool)
+        if dummies:
+            idx[torch.rand(num_reqs, generator=g) < 0.3] = -1
+            enabled = torch.rand(num_groups, generator=g) < 0.7
+            sharded = torch.rand(num_groups, generator=g) < 0.5
         slots = _garbage(g, num_groups, max_tokens, dtype=torch.int64)
         cp_rank = int(torch.randint(0, cp_size, (1,), generator=g))
-        watch = {"idx": idx, "qsl": qsl, "pos": pos, "strides": strides, "sizes": sizes,
-                 "slots": slots} | {f"table{i}": t for i, t in enumerate(tables)}
+        watch = {"idx": idx, "qsl": qsl, "pos": pos, "strides": strides, "sizes": sizes, "enabled": enabled,
+                 "sharded": sharded, "slots": slots} | {f"table{i}": t for i, t in enumerate(tables)}
         return Launch(grid=(num_groups, num_reqs + 1),
-                      args=(slots.shape[1], idx, qsl, pos, ptrs, strides, sizes, slots, slots.stride(0), cp_rank),
+                      args=(slots.shape[1], idx, qsl, pos, ptrs, strides, sizes, enabled, sharded, slots,
+                            slots.stride(0), cp_rank),
                       kwargs={"CP_SIZE": cp_size, "CP_INTERLEAVE": cp_interleave, "PAD_ID": PAD_SLOT_ID,
                               "TRITON_BLOCK_SIZE": block},
                       watch=watch, keep=[tables])
@@ -107,9 +116,28 @@ def test_compute_slot_mappings(block_sizes, max_reqs, max_model_len, block):
 
 
 @pytest.mark.parametrize("cp_size,cp_interleave", [(2, 1), (4, 8)])
-def test_compute_slot_mappings_context_parallel(cp_size, cp_interleave):
-    make = slots_case([16, 32], 4, 256, cp_size=cp_size, cp_interleave=cp_interleave)
+@pytest.mark.parametrize("dummies", [False, True])
+def test_compute_slot_mappings_context_parallel(cp_size, cp_interleave, dummies):
+    make = slots_case([16, 32], 4, 256, cp_size=cp_size, cp_interleave=cp_interleave, dummies=dummies)
     assert differential(vmod._compute_slot_mappings_kernel, make, range(4)) == 4
+
+
+def test_compute_slot_mappings_dummy_requests_and_disabled_groups():
+    """Dummy runs (idx_mapping -1) and groups without slot mapping get PAD_ID, never a block-table read."""
+    make = slots_case([16, 32, 8], 6, 200, dummies=True)
+    assert differential(vmod._compute_slot_mappings_kernel, make, range(8)) == 8
+    padded = 0
+    for seed in range(8):
+        case = make(seed)
+        run_native(vmod._compute_slot_mappings_kernel, case)
+        qsl, idx, slots = case.watch["qsl"], case.watch["idx"], case.watch["slots"]
+        for b in range(idx.shape[0]):
+            for grp in range(slots.shape[0]):
+                tokens = slots[grp, int(qsl[b]):int(qsl[b + 1])]
+                if int(idx[b]) < 0 or not bool(case.watch["enabled"][grp]):
+                    assert bool((tokens == PAD_SLOT_ID).all())
+                    padded += tokens.numel()
+    assert padded > 0  # the cases did reach both rules
 
 
 def _block_tables(monkeypatch):
@@ -119,8 +147,7 @@ def _block_tables(monkeypatch):
 
     monkeypatch.setattr(buffer_utils, "UvaBuffer", UvaBuffer)
     return vmod.BlockTables(block_sizes=[16, 32], max_num_reqs=6, max_num_batched_tokens=40,
-                            max_num_blocks_per_group=[10, 5], device=torch.device("cpu"),
-                            kernel_block_sizes=[16, 32])
+                            max_num_blocks_per_group=[10, 5], device=torch.device("cpu"))
 
 
 def _step(bt: vmod.BlockTables) -> dict[str, torch.Tensor]:

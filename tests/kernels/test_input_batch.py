@@ -26,7 +26,8 @@ def _garbage(g, *shape, dtype=I32):
     return torch.randint(-(2**30), 2**30, shape, generator=g).to(dtype)
 
 
-def world(seed: int, max_reqs: int, max_model_len: int, spec: int, vocab: int = 50, num_new: int = 1):
+def world(seed: int, max_reqs: int, max_model_len: int, spec: int, vocab: int = 50, num_new: int = 1,
+          lookahead: int = 1):
     """One batch: request states (indexed by state slot) and per-batch inputs (indexed by batch position)."""
     g = torch.Generator().manual_seed(seed)
     M, L = max_reqs, max_model_len
@@ -61,7 +62,7 @@ def world(seed: int, max_reqs: int, max_model_len: int, spec: int, vocab: int = 
         num_draft=num_draft, total_logits=int(num_logits.sum()),
         all_token_ids=torch.randint(0, vocab, (M, L), generator=g, dtype=I32),
         input_ids=_garbage(g, num_tokens + 5), positions=_garbage(g, num_tokens + 5, dtype=I64),
-        next_prefill_tokens=_garbage(g, M), last_sampled=torch.randint(0, vocab, (M, 1), generator=g),
+        next_prefill_tokens=_garbage(g, lookahead, M), last_sampled=torch.randint(0, vocab, (M, 1), generator=g),
         draft_tokens=torch.randint(0, vocab, (M, spec), generator=g),
         total_len=torch.randint(0, L - spec - 1, (M,), generator=g, dtype=I32),
         bins=torch.randint(0, 3, (M, vocab), generator=g, dtype=I32),
@@ -81,16 +82,18 @@ def _make(build):
 SHAPES = [(1, 16, 0), (4, 40, 0), (7, 64, 3)]  # max_reqs, max_model_len, speculative steps
 
 
+@pytest.mark.parametrize("lookahead", [1, 3])  # next_prefill_tokens rows (num_prefill_lookahead)
 @pytest.mark.parametrize("block", [1024, 4])
 @pytest.mark.parametrize("M,L,S", SHAPES)
-def test_prepare_prefill_inputs(M, L, S, block):
+def test_prepare_prefill_inputs(M, L, S, block, lookahead):
     def build(seed):
-        w = world(seed, M, L, S)
-        args = (w["input_ids"], w["next_prefill_tokens"], w["idx"], w["qsl"], w["all_token_ids"],
+        w = world(seed, M, L, S, lookahead=lookahead)
+        nxt = w["next_prefill_tokens"]
+        args = (w["input_ids"], nxt, nxt.stride(0), nxt.shape[0], w["idx"], w["qsl"], w["all_token_ids"],
                 w["all_token_ids"].stride(0), w["prefill_len"], w["computed"])
         watch = {k: w[k] for k in ("input_ids", "next_prefill_tokens", "idx", "qsl", "all_token_ids",
                                    "prefill_len", "computed")}
-        return (w["n"],), args, {"BLOCK_SIZE": block}, watch
+        return (w["n"],), args, {"BLOCK_SIZE": block, "LOOKAHEAD_BLOCK": triton.next_power_of_2(lookahead)}, watch
 
     assert differential(vmod._prepare_prefill_inputs_kernel, _make(build), range(4)) == 4
 
@@ -203,7 +206,7 @@ def test_expand_idx_mapping(M, L, S):
 def _step(seed: int) -> dict[str, torch.Tensor]:
     """One model-runner step through vLLM's own launchers, in the order prepare_inputs / sample / postprocess
     call them (speculative decoding on, so every launcher runs)."""
-    w = world(seed, 6, 48, 2)
+    w = world(seed, 6, 48, 2, lookahead=2)
     n = w["n"]
     expanded, local_pos = vmod.expand_idx_mapping(w["idx"], w["total_logits"], w["cu"], 3)
     vmod.prepare_prefill_inputs(w["input_ids"], w["next_prefill_tokens"], w["idx"], w["qsl"], w["all_token_ids"],
