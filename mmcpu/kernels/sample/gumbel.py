@@ -1,108 +1,160 @@
-"""Native ``vllm/v1/worker/gpu/sample/gumbel.py``: temperature and Gumbel-max sampling, with Triton's Philox
-random stream (``tl.randint`` / ``tl.randint4x`` / ``tl.rand``) reproduced bit-exactly in torch int64."""
+"""Native ``vllm/v1/worker/gpu/sample/gumbel.py``: temperature and Gumbel-max sampling, with the kernel's murmur3
+random stream (``murmur3_hash32`` / ``murmur3_uniform32`` / ``murmur3_uniform64``) reproduced bit-exactly.
+
+The noise and the per-block reduction run in numpy, on zero-copy views: Triton's interpreter (the reference, and
+``MMCPU_KERNELS=interpreter``) computes ``tl.log`` with numpy's ``log`` and reduces with ``np.max`` /
+``np.argmax``, so the same numpy calls make a seeded row's per-block values identical to the interpreter's, not
+only its sampled token (torch's ``log`` differs from numpy's fp32 ``log`` in the last bit for a third of all draws).
+Every uint32 operation wraps in numpy as in Triton.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mmcpu.kernels.dispatch import native
 
 # --------------------------------------------------------------------------------------------------------
-# Triton's Philox 4x32-10 (triton/language/random.py, triton 3.6.0). uint32 values live in int64 tensors:
-# a product of two uint32 is < 2**64, so int64 multiplication (which wraps) still holds its exact low 64 bits,
-# and ``>> 32`` / ``& M32`` pick out umulhi and the low word.
+# murmur3 (gumbel.py's _murmur3_mix / _murmur3_fmix32 / murmur3_hash32): 32-bit words, key order seed lo,
+# seed hi, position lo, token offset; the seed/position prefix is per row, the offset per vocab column.
 
-M32 = 0xFFFFFFFF
-_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
-_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
-N_ROUNDS = 10
-_RAND_SCALE = torch.tensor(4.6566127342e-10, dtype=torch.float32)  # uint_to_uniform_float's 32-bit scale
+_C1, _C2 = np.uint32(0xCC9E2D51), np.uint32(0x1B873593)
+DOMAIN_HI = 0x9E3779B9  # murmur3_uniform64's second hash (the high 32 bits)
+DRAFT_NOISE_SALT = 1 << 30  # gumbel.py's _DRAFT_NOISE_SALT: added to a draft's position
+_U32 = np.uint32
 
 
-def _xor(owned: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    # ``owned ^ other``, in place when ``owned`` (a temporary of ours) already has the broadcast shape.
-    if owned.shape == torch.broadcast_shapes(owned.shape, other.shape):
-        return owned.bitwise_xor_(other)
-    return owned ^ other
+def _rotl(v: np.ndarray, shift: int) -> np.ndarray:
+    return (v << _U32(shift)) | (v >> _U32(32 - shift))
 
 
-def philox(k0: torch.Tensor, k1: torch.Tensor | int, c0: torch.Tensor, c1: torch.Tensor | None = None,
-           c2: torch.Tensor | None = None, c3: torch.Tensor | None = None, n_out: int = 4) -> list[torch.Tensor]:
-    """Triton's ``philox_impl`` for 32-bit counters (keys broadcast against counters; a None counter is 0).
-
-    Returns the first ``n_out`` words. Nothing is expanded up front: with per-row keys and per-column counters
-    the first rounds stay rank-1 (cheap), and the last round skips the words not asked for.
-    """
-    k0 = torch.as_tensor(k0, dtype=torch.int64)
-    k1 = torch.as_tensor(k1, dtype=torch.int64)
-    for r in range(N_ROUNDS):
-        last = r == N_ROUNDS - 1
-        # c0' = umulhi(B, c2) ^ c1 ^ k0, c1' = lo(B * c2); c2' = umulhi(A, c0) ^ c3 ^ k1, c3' = lo(A * c0).
-        if c2 is None:  # a zero counter: umulhi and lo are 0
-            n0 = k0 if c1 is None else c1 ^ k0
-            n1 = None
-        else:
-            pb = c2 * _ROUND_B
-            n0 = _xor((pb >> 32).bitwise_and_(M32), k0)
-            if c1 is not None:
-                n0 = _xor(n0, c1)
-            n1 = pb.bitwise_and_(M32) if not last or n_out >= 2 else None
-        if last and n_out <= 2:
-            n2 = n3 = None
-        else:
-            pa = c0 * _ROUND_A
-            n2 = _xor((pa >> 32).bitwise_and_(M32), k1)
-            if c3 is not None:
-                n2 = _xor(n2, c3)
-            n3 = pa.bitwise_and_(M32)
-        c0, c1, c2, c3 = n0, n1, n2, n3
-        k0 = (k0 + _KEY_A) & M32
-        k1 = (k1 + _KEY_B) & M32
-    zero = torch.zeros((), dtype=torch.int64)
-    return [zero if c is None else c for c in (c0, c1, c2, c3)[:n_out]]
+def _mix_key(key: np.ndarray) -> np.ndarray:
+    # _murmur3_mix's key scrambling: key * c1, rotl 15, * c2.
+    return _rotl(key * _C1, 15) * _C2
 
 
-def _split_seed(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # philox(): seed.to(uint64), then lo/hi 32-bit words as the key (uint32/int32 seeds zero-/sign-extend).
-    seed = seed.to(torch.int64)
-    return seed & M32, (seed >> 32) & M32
+def _mix(h: np.ndarray, scrambled_key: np.ndarray) -> np.ndarray:
+    h = _rotl(h ^ scrambled_key, 13)
+    return h * _U32(5) + _U32(0xE6546B64)
 
 
-def randint4x(seed: torch.Tensor, offset: torch.Tensor, offset_bits: int, n_out: int = 4) -> list[torch.Tensor]:
-    """``tl.randint4x(seed, offset)``: four uint32 words (in int64). ``offset_bits`` is the offset's dtype width
-    in the kernel (64 splits the offset into lo/hi counters, 32 leaves the hi counter 0)."""
-    k0, k1 = _split_seed(seed)
-    offset = offset.to(torch.int64)
-    lo = offset & M32
-    hi = (offset >> 32) & M32 if offset_bits > 32 else None
-    return philox(k0, k1, lo, hi, n_out=n_out)
+_KEYS: dict[int, np.ndarray] = {}  # scrambled offset keys 0..n-1 (they do not depend on the row): cached
 
 
-def randint(seed: torch.Tensor, offset: torch.Tensor, offset_bits: int) -> torch.Tensor:
-    """``tl.randint(seed, offset)``: the first word of ``randint4x``, a uint32 (in int64)."""
-    return randint4x(seed, offset, offset_bits, n_out=1)[0]
+def _offset_keys(n: int) -> np.ndarray:
+    keys = _KEYS.get(n)
+    if keys is None:
+        keys = _mix_key(np.arange(n, dtype=np.uint32))
+        keys.setflags(write=False)
+        if len(_KEYS) < 16:
+            _KEYS[n] = keys
+    return keys
 
 
-def uint32_to_uniform_float(x: torch.Tensor) -> torch.Tensor:
-    """``uint_to_uniform_float`` for 32-bit words: bitcast to int32, fold negatives (-x - 1), scale in fp32."""
-    x = torch.where(x >= 2**31, x ^ M32, x)  # == -(x - 2**32) - 1 for the negative int32s
-    return x.to(torch.float32) * _RAND_SCALE
+def hash_prefix(seed: np.ndarray, pos: np.ndarray, domain: int = 0) -> np.ndarray:
+    """murmur3_hash32's state after the seed's two words and the position's low word, per row (uint32 [rows, 1])."""
+    seed = np.asarray(seed, dtype=np.int64).reshape(-1, 1)
+    pos = np.asarray(pos, dtype=np.int64).reshape(-1, 1)
+    h = np.full(seed.shape, domain, dtype=np.uint32)
+    for word in (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, pos & 0xFFFFFFFF):
+        h = _mix(h, _mix_key(word.astype(np.uint32)))
+    return h
 
 
-def rand(seed: torch.Tensor, offset: torch.Tensor, offset_bits: int) -> torch.Tensor:
-    """``tl.rand(seed, offset)``: fp32 in [0, 1)."""
-    return uint32_to_uniform_float(randint(seed, offset, offset_bits))
+# The [rows, vocab] passes below work in place (``out=``): a fresh multi-megabyte temporary per operation costs
+# more in page faults than the operation itself.
+
+def _rotl_(h: np.ndarray, tmp: np.ndarray, shift: int) -> None:
+    np.left_shift(h, _U32(shift), out=tmp)
+    np.right_shift(h, _U32(32 - shift), out=h)
+    np.bitwise_or(h, tmp, out=h)
 
 
-_FP32_TINY_RAND = torch.tensor(4.6566127342e-10, dtype=torch.float32)  # gumbel.py's _TL_RAND_MIN
-_FP64_TINY = 2.2250738585072014e-308
+def _xorshift_(h: np.ndarray, tmp: np.ndarray, shift: int) -> None:
+    np.right_shift(h, _U32(shift), out=tmp)
+    np.bitwise_xor(h, tmp, out=h)
 
 
-def _rows(mask: torch.Tensor) -> torch.Tensor | None:
-    """Row indices where ``mask`` holds, or None when it holds everywhere (so callers can work in place)."""
-    if bool(mask.all()):
-        return None
-    return mask.nonzero().flatten()
+def murmur3_hash32(seed: np.ndarray, pos: np.ndarray, n: int, domain: int = 0) -> np.ndarray:
+    """``murmur3_hash32(seed[r], pos[r], offset)`` for offsets ``0..n-1``: uint32 [rows, n]."""
+    h = np.bitwise_xor(hash_prefix(seed, pos, domain), _offset_keys(n))  # the offset word's mix
+    tmp = np.empty_like(h)
+    _rotl_(h, tmp, 13)
+    h *= _U32(5)
+    h += _U32(0xE6546B64)
+    h ^= _U32(16)  # the length, then _murmur3_fmix32
+    _xorshift_(h, tmp, 16)
+    h *= _U32(0x85EBCA6B)
+    _xorshift_(h, tmp, 13)
+    h *= _U32(0xC2B2AE35)
+    _xorshift_(h, tmp, 16)
+    return h
+
+
+_F32 = np.float32
+
+
+def murmur3_uniform32(seed: np.ndarray, pos: np.ndarray, n: int) -> np.ndarray:
+    """``murmur3_uniform32``: fp32 in (0, 1), from both 16-bit halves (each converts exactly; one rounding)."""
+    r = murmur3_hash32(seed, pos, n)
+    lo = np.empty(r.shape, np.float32)
+    np.copyto(lo, r & _U32(0xFFFF), casting="unsafe")  # < 2**16: exact, as the kernel's int32 -> fp32
+    np.right_shift(r, _U32(16), out=r)
+    hi = np.empty(r.shape, np.float32)
+    np.copyto(hi, r, casting="unsafe")
+    hi *= _F32(1.52587890625e-05)
+    lo += _F32(0.5)
+    lo *= _F32(2.3283064365386963e-10)
+    hi += lo
+    return hi
+
+
+def murmur3_uniform64(seed: np.ndarray, pos: np.ndarray, n: int) -> np.ndarray:
+    """``murmur3_uniform64``: fp64 in (0, 1) from the top 53 of (hi << 32 | lo)."""
+    bits = murmur3_hash32(seed, pos, n, DOMAIN_HI).astype(np.uint64)
+    bits <<= np.uint64(32)
+    bits |= murmur3_hash32(seed, pos, n)
+    bits >>= np.uint64(11)
+    u = bits.astype(np.float64)
+    u += 0.5
+    u *= 1.1102230246251565e-16
+    np.subtract(u, 1.1102230246251565e-16, out=u, where=u == 1.0)  # the largest midpoint rounds to 1.0
+    return u
+
+
+# _log1p_neg_stable's series coefficients, each a Python float the kernel turns into an fp32 constant.
+_SERIES = [_F32(1.0 / k) for k in (8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0)] + [_F32(1.0)]
+
+
+def log1p_neg_stable(value: np.ndarray) -> np.ndarray:
+    """``_log1p_neg_stable``: log(1 - value) in fp32, a degree-8 series below 0.25, the direct log above."""
+    poly = value * _SERIES[0]
+    poly += _SERIES[1]
+    for c in _SERIES[2:]:  # Horner: c + value * poly
+        poly *= value
+        poly += c
+    poly *= value
+    np.negative(poly, out=poly)  # -value * poly
+    out = np.subtract(_F32(1.0), value)
+    np.maximum(out, _F32(5.960464477539063e-08), out=out)
+    np.log(out, out=out)
+    np.copyto(out, poly, where=value < _F32(0.25))
+    return out
+
+
+def gumbel_noise(seed: np.ndarray, pos: np.ndarray, n: int, use_fp64: bool) -> np.ndarray:
+    """``gumbel_noised_argmax``'s noise for vocab offsets ``0..n-1`` of each row: [rows, n], fp32 or fp64,
+    ``-log(-log(u))`` (fp32: the inner log from ``_log1p_neg_stable`` of the uniform)."""
+    x = np.log(murmur3_uniform64(seed, pos, n)) if use_fp64 else log1p_neg_stable(murmur3_uniform32(seed, pos, n))
+    np.negative(x, out=x)
+    np.log(x, out=x)
+    np.negative(x, out=x)
+    return x
+
+
+# --------------------------------------------------------------------------------------------------------
+# Kernels
 
 
 @native("vllm.v1.worker.gpu.sample.gumbel", "_temperature_kernel",
@@ -124,96 +176,76 @@ def _temperature_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_pt
     logits[rows] = (logits[rows].float() / temp[rows].unsqueeze(1)).to(logits.dtype)
 
 
-def _store_processed(out: torch.Tensor, out_stride: int, col_ptr, per_token_col: bool, req: torch.Tensor,
-                     valid: torch.Tensor, values: torch.Tensor, vocab_size: int) -> None:
-    # Row r goes to out's flat memory at req[r] * stride + col * vocab_size (the kernel's address arithmetic,
-    # which ignores out's shape), for valid rows only.
-    num_tokens, cols = values.shape
+def _store_cache(cache: torch.Tensor, stride0: int, stride1: int, col_ptr, per_token_col: bool, req: torch.Tensor,
+                 valid: torch.Tensor, source: torch.Tensor, source_stride: int, cols: int) -> None:
+    # Token t's raw logits row (source[t, :cols], before temperature) goes to the cache's flat memory at
+    # req[t] * stride0 + col * stride1 (the kernel's address arithmetic), for valid tokens only.
     rows = valid.nonzero().flatten()
-    if rows.numel() == 0:
+    if rows.numel() == 0 or cols <= 0:
         return
-    if col_ptr is None:
-        col = torch.zeros((), dtype=torch.int64)
-    elif per_token_col:
+    num_tokens = req.shape[0]
+    if per_token_col:
         col = col_ptr.reshape(-1)[:num_tokens][rows].long()
     else:
         col = col_ptr.reshape(-1)[0].long()
-    base = req[rows] * out_stride + col * vocab_size
+    base = req[rows] * stride0 + col * stride1
     # Programs run in token order in the interpreter, so for a destination written twice the later token wins.
     uniq, inv = torch.unique(base, return_inverse=True)
     if uniq.numel() < base.numel():
         keep = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce_(
             0, inv, torch.arange(base.numel()), "amax")
         rows, base = rows[keep], base[keep]
-    flat = out.as_strided((out.untyped_storage().nbytes() // out.element_size() - out.storage_offset(),), (1,))
-    flat[base.unsqueeze(1) + torch.arange(cols)] = values[rows].to(out.dtype)
-
-
-def gumbel_noise(gumbel_seed: torch.Tensor, cols: int, use_fp64: bool) -> torch.Tensor:
-    """Noise of ``gumbel_block_argmax`` for vocab positions ``0..cols-1`` of each row (``gumbel_seed``: [R])."""
-    offsets = torch.arange(cols, dtype=torch.int64).unsqueeze(0)  # the kernel's int32 ``block``: hi counter 0
-    seed = gumbel_seed.unsqueeze(1)
-    if use_fp64:
-        # tl_rand64: (hi << 32 | lo) -> fp64. hi * 2**32 is exact, so the one rounding of the sum is the
-        # correctly rounded uint64 -> fp64 conversion; * 2**-64 is exact.
-        lo, hi = randint4x(seed, offsets, 32, n_out=2)
-        u = (hi.double().mul_(4294967296.0).add_(lo.double())).mul_(5.421010862427522170037e-20)
-        u.clamp_min_(_FP64_TINY)
-        return u.log_().neg_().log_().neg_()
-    u = rand(seed, offsets, 32)
-    u = torch.maximum(u, _FP32_TINY_RAND)
-    # -log(-log1p(-u)): the large-noise tail from u -> 0, as the kernel does.
-    return u.neg_().log1p_().neg_().log_().neg_()
+    values = source.as_strided((num_tokens, cols), (source_stride, 1))[rows]
+    flat = cache.as_strided((cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset(),),
+                            (1,))
+    flat[base.unsqueeze(1) + torch.arange(cols)] = values.to(cache.dtype)
 
 
 @native("vllm.v1.worker.gpu.sample.gumbel", "_gumbel_sample_kernel",
-        sha256="493e6ab301a3ec693e284e1ec2f7f0a2ad682d73686c6416ec2a5fbc628ef050")
+        sha256="b94b2d5d245c6cc3280970233c7f6b0b88fba3fd16a9e01608fad0d13ac7fe68")
 def _gumbel_sample_kernel(grid, local_argmax_ptr, local_argmax_stride, local_max_ptr, local_max_stride,
-                          processed_logits_ptr, processed_logits_stride, processed_logits_col_ptr, logits_ptr,
-                          logits_stride, expanded_idx_mapping_ptr, seeds_ptr, pos_ptr, temp_ptr, vocab_size,
-                          BLOCK_SIZE, APPLY_TEMPERATURE, USE_FP64, PER_TOKEN_COL):
-    # Per (token, vocab block): max and first argmax of logits (+ Gumbel noise for temperature != 0 rows).
+                          logits_cache_ptr, logits_cache_stride_0, logits_cache_stride_1, logits_cache_col_ptr,
+                          logits_cache_source_ptr, logits_cache_source_stride, logits_ptr, logits_stride,
+                          expanded_idx_mapping_ptr, seeds_ptr, pos_ptr, temp_ptr, vocab_size, BLOCK_SIZE,
+                          IS_DRAFTING, APPLY_TEMPERATURE, USE_FP64, PER_TOKEN_COL):
+    # Per (token, vocab block): max and first argmax of the fp32 logits (divided by the temperature when
+    # APPLY_TEMPERATURE) plus murmur3 Gumbel noise for temperature != 0 rows; raw logits copied to the cache.
     num_tokens, num_blocks = grid[0], grid[1]
     if num_tokens == 0 or num_blocks == 0:
         return
     width = num_blocks * BLOCK_SIZE
-    cols = min(vocab_size, width)
+    cols = max(0, min(vocab_size, width))
     req = expanded_idx_mapping_ptr[:num_tokens].long()
     valid = req >= 0
-    # Invalid rows read temperature 0 (masked load): plain argmax, no store, no noise.
+    # Invalid rows read temperature 0 and seed 0 (masked loads): plain argmax, no cache store, no noise.
     temp = torch.where(valid, temp_ptr[req.clamp_min(0)].float(), 0.0)
+    if logits_cache_ptr is not None:
+        _store_cache(logits_cache_ptr, int(logits_cache_stride_0), int(logits_cache_stride_1), logits_cache_col_ptr,
+                     PER_TOKEN_COL, req, valid, logits_cache_source_ptr, int(logits_cache_source_stride), cols)
 
     # A fresh fp32 buffer padded with -inf to whole blocks: the kernel's masked load, never the caller's logits.
-    x = torch.full((num_tokens, width), float("-inf"), dtype=torch.float32)
-    xv = x[:, :cols]
-    xv.copy_(logits_ptr.as_strided((num_tokens, cols), (logits_stride, 1)))
-    nonzero = temp != 0.0
-    if APPLY_TEMPERATURE and bool(nonzero.any()):
-        rows = _rows(nonzero)
-        if rows is None:
-            xv.div_(temp.unsqueeze(1))
-        else:
-            xv[rows] = xv[rows] / temp[rows].unsqueeze(1)
-    if processed_logits_ptr is not None:
-        _store_processed(processed_logits_ptr, processed_logits_stride, processed_logits_col_ptr, PER_TOKEN_COL,
-                         req, valid, xv, vocab_size)
+    xt = torch.full((num_tokens, width), float("-inf"), dtype=torch.float32)
+    xt[:, :cols].copy_(logits_ptr.as_strided((num_tokens, cols), (logits_stride, 1)))
+    x = xt.numpy()
+    noisy = (temp != 0.0).numpy()
+    rows = np.flatnonzero(noisy)
+    if rows.size:
+        xr = x[rows, :cols]
+        if APPLY_TEMPERATURE:
+            xr = xr / temp.numpy()[rows, None]
+        if USE_FP64:
+            xr = xr.astype(np.float64)
+        seed = torch.where(valid, seeds_ptr[req.clamp_min(0)].long(), 0).numpy()[rows]
+        pos = pos_ptr.reshape(-1)[:num_tokens].long().numpy()[rows]
+        if IS_DRAFTING:
+            pos = pos + DRAFT_NOISE_SALT
+        xr = xr + gumbel_noise(seed, pos, cols, USE_FP64)
     if USE_FP64:
-        x = x.double()
-        xv = x[:, :cols]
-
-    if bool(nonzero.any()):
-        rows = _rows(nonzero)
-        sel = slice(None) if rows is None else rows
-        seed = seeds_ptr[req[sel]]
-        pos = pos_ptr.reshape(-1)[:num_tokens][sel]
-        gumbel_seed = randint(seed, pos, pos.element_size() * 8)
-        noise = gumbel_noise(gumbel_seed, cols, USE_FP64)
-        if rows is None:
-            xv.add_(noise)
-        else:
-            xv[rows] = xv[rows] + noise
-
-    value, idx = x.view(num_tokens, num_blocks, BLOCK_SIZE).max(dim=-1)  # CPU max: first index among ties
-    local_max_ptr.as_strided((num_tokens, num_blocks), (local_max_stride, 1)).copy_(value)
-    idx += torch.arange(0, width, BLOCK_SIZE)
-    local_argmax_ptr.as_strided((num_tokens, num_blocks), (local_argmax_stride, 1)).copy_(idx)
+        x = x.astype(np.float64)
+    if rows.size:
+        x[rows, :cols] = xr
+    blocks = x.reshape(num_tokens, num_blocks, BLOCK_SIZE)
+    value, idx = blocks.max(axis=-1), blocks.argmax(axis=-1)  # the interpreter's np.max / np.argmax
+    local_max_ptr.as_strided((num_tokens, num_blocks), (local_max_stride, 1)).copy_(torch.from_numpy(value))
+    idx += np.arange(0, width, BLOCK_SIZE)
+    local_argmax_ptr.as_strided((num_tokens, num_blocks), (local_argmax_stride, 1)).copy_(torch.from_numpy(idx))
