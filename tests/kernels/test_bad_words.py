@@ -11,6 +11,7 @@ import pytest
 import torch
 from diff import Launch, assert_same, differential, native_launches, run_native
 
+import vllm.envs as envs
 from vllm.v1.worker.gpu.sample import bad_words as vmod
 
 SHAPES = [(1, 100), (4, 1000), (6, 5003)]  # (requests, vocab)
@@ -33,8 +34,8 @@ def make_case(num_reqs: int, vocab: int, dtype: torch.dtype = torch.float32, *, 
         total_len = (prompt_len + ri(0, 20, (max_reqs,))).to(torch.int32)
         all_token_ids = ri(0, 3, (max_reqs, MAX_LEN)).to(torch.int32)
 
-        word_tokens = torch.zeros(max_reqs, vmod.MAX_BAD_WORDS_TOTAL_TOKENS, dtype=torch.int32)
-        offsets = torch.zeros(max_reqs, vmod.MAX_NUM_BAD_WORDS + 1, dtype=torch.int32)
+        word_tokens = torch.zeros(max_reqs, envs.VLLM_MAX_BAD_WORDS_TOTAL_TOKENS, dtype=torch.int32)
+        offsets = torch.zeros(max_reqs, envs.VLLM_MAX_NUM_BAD_WORDS + 1, dtype=torch.int32)
         num_words = torch.zeros(max_reqs, dtype=torch.int32)
         for r in range(max_reqs):
             if torch.rand((), generator=g) < 0.25:

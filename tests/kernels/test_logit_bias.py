@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 import torch
-from diff import Launch, assert_same, bf16_matches_fp32_reference, differential, native_launches
+from diff import Launch, assert_same, bf16_matches_fp32_reference, differential, native_launches, run_native
 
 from mmcpu.config import REPO_ROOT
 from vllm.triton_utils import triton
@@ -28,7 +28,10 @@ SHAPES = [(1, 100), (4, 1000), (6, 5003)]  # (requests, vocab)
 K_ALLOWED, K_BIAS, K_STOP = vmod.MAX_NUM_ALLOWED_TOKEN_IDS, vmod.MAX_NUM_LOGIT_BIAS_TOKENS, vmod.MAX_NUM_STOP_TOKEN_IDS
 
 
-def make_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, logits_block: int = 8192):
+def make_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, logits_block: int = 8192, check_masked: bool = False):
+    """``check_masked``: CHECK_ALL_MASKED_ROWS, with rows that min_tokens' stop masking leaves all -inf (the
+    rest of the row already -inf, as a grammar bitmask leaves it), some with NaNs, some with a NaN chunk."""
+
     def make(seed: int) -> Launch:
         g = torch.Generator().manual_seed(seed)
         max_reqs = num_reqs + 3
@@ -50,15 +53,36 @@ def make_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, logits_block: in
         stop = torch.randint(0, vocab, (max_reqs, K_STOP), generator=g, dtype=torch.int32)
         pos = torch.randint(0, 50, (num_tokens,), generator=g)  # int64, as input_batch.positions
         min_lens = torch.randint(0, 50, (max_reqs,), generator=g, dtype=torch.int32)
+        restore = on(0.7 if check_masked else 0.3).to(torch.int32)
+        if check_masked:
+            num_allowed.zero_()  # stop ids and their masking alone decide
+            for t in range(num_tokens):
+                r = int(mapping[t])
+                if torch.rand((), generator=g) < 0.7:
+                    row = logits[t]
+                    row[:vocab] = float("-inf")
+                    ids = stop[r, :int(num_stop[r])].long()
+                    vals = torch.randn(ids.numel(), generator=g)
+                    vals[torch.rand(ids.numel(), generator=g) < 0.2] = float("inf")
+                    row[ids] = vals.to(dtype)
+                    pick = float(torch.rand((), generator=g))
+                    if pick < 0.2:  # a NaN beside -inf: the chunk max skips it
+                        row[int(torch.randint(0, vocab, (), generator=g))] = float("nan")
+                    elif pick < 0.3:  # a whole chunk of NaN: the fold propagates it
+                        row[:min(vocab, logits_block)] = float("nan")
+                    elif pick < 0.4:  # a finite logit elsewhere: not all masked
+                        row[int(torch.randint(0, vocab, (), generator=g))] = 1.0
+            num_bias.zero_()
 
         args = (logits, logits.stride(0), vocab, mapping, num_allowed, allowed, allowed.stride(0), num_bias,
-                bias_ids, bias_ids.stride(0), bias, bias.stride(0), pos, min_lens, num_stop, stop, stop.stride(0))
+                bias_ids, bias_ids.stride(0), bias, bias.stride(0), pos, min_lens, num_stop, restore, stop,
+                stop.stride(0))
         watch = {"logits": logits, "mapping": mapping, "num_allowed": num_allowed, "allowed": allowed,
                  "num_bias": num_bias, "bias_ids": bias_ids, "bias": bias, "pos": pos, "min_lens": min_lens,
-                 "num_stop": num_stop, "stop": stop}
+                 "num_stop": num_stop, "restore": restore, "stop": stop}
         block = triton.next_power_of_2(max(K_ALLOWED, K_BIAS, K_STOP))  # as the launcher
-        return Launch(grid=(num_tokens,), args=args, kwargs={"BLOCK_SIZE": block, "LOGITS_BLOCK_SIZE": logits_block},
-                      watch=watch)
+        return Launch(grid=(num_tokens,), args=args, kwargs={"BLOCK_SIZE": block, "LOGITS_BLOCK_SIZE": logits_block,
+                                                             "CHECK_ALL_MASKED_ROWS": check_masked}, watch=watch)
 
     return make
 
@@ -78,6 +102,29 @@ def test_bias_fp16():
     assert differential(vmod._bias_kernel, make_case(4, 1000, torch.float16), range(3)) == 3
 
 
+@pytest.mark.parametrize("logits_block", [8192, 64])
+@pytest.mark.parametrize("num_reqs,vocab", SHAPES)
+def test_bias_restores_stop_tokens_of_all_masked_rows(num_reqs, vocab, logits_block):
+    make = make_case(num_reqs, vocab, torch.float32, logits_block=logits_block, check_masked=True)
+    assert differential(vmod._bias_kernel, make, range(6)) == 6
+
+
+def test_bias_all_masked_cases_restore_some_rows():
+    """The cases are not vacuous: against the same launch without CHECK_ALL_MASKED_ROWS, some stop logits come
+    back, and some that were finite stay -inf (rows not all masked, or not flagged)."""
+    restored = kept_masked = 0
+    for seed in range(6):
+        make = make_case(6, 1000, torch.float32, logits_block=64, check_masked=True)
+        on, off = make(seed), make(seed)
+        before = on.watch["logits"].clone()
+        off.kwargs["CHECK_ALL_MASKED_ROWS"] = False
+        run_native(vmod._bias_kernel, on)
+        run_native(vmod._bias_kernel, off)
+        restored += int((on.watch["logits"].isfinite() & (off.watch["logits"] == float("-inf"))).sum())
+        kept_masked += int((before.isfinite() & (on.watch["logits"] == float("-inf"))).sum())
+    assert restored > 0 and kept_masked > 0
+
+
 @pytest.mark.parametrize("num_reqs,vocab", SHAPES[1:])
 def test_bias_bf16_matches_fp32_reference(num_reqs, vocab):
     bf16_matches_fp32_reference(vmod._bias_kernel, make_case(num_reqs, vocab, torch.bfloat16), range(3))
@@ -88,8 +135,9 @@ def test_dispatch_routes_launcher_to_native():
     ref, got = make_case(4, 1000, torch.float32)(11), make_case(4, 1000, torch.float32)(11)
 
     def call(c: Launch) -> None:
-        logits, _, vocab, m, na, a, _, nb, bi, _, b, _, pos, ml, ns, s, _ = c.args
-        vmod.apply_logit_bias(logits[: m.numel(), :vocab], m, pos, na, a, nb, bi, b, ml, ns, s)
+        logits, _, vocab, m, na, a, _, nb, bi, _, b, _, pos, ml, ns, rs, s, _ = c.args
+        vmod.apply_logit_bias(logits[: m.numel(), :vocab], m, pos, na, a, nb, bi, b, ml, ns, rs, s,
+                              check_all_masked_rows=True)
 
     call(ref)
     with native_launches() as launched:
@@ -102,6 +150,7 @@ def test_dispatch_routes_launcher_to_native():
 _SAMPLER_SCRIPT = textwrap.dedent("""
     import json, os
     os.environ["TRITON_INTERPRET"] = "1"
+    from types import SimpleNamespace
     import numpy as np, torch
     import vllm.v1.worker.cpu.shm  # noqa: F401  as the CPU worker does
     from vllm.sampling_params import SamplingParams
@@ -116,7 +165,8 @@ _SAMPLER_SCRIPT = textwrap.dedent("""
             dispatch.install(mode)
         try:
             states = RequestState(8, 64, 64, 0, V, cpu)
-            sampler = Sampler(8, V, cpu, states)
+            # The sampler's states read only the reasoning config from vLLM's config.
+            sampler = Sampler(SimpleNamespace(reasoning_config=None), 8, V, cpu, states)
             params = [
                 SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
                 SamplingParams(temperature=0, logit_bias={5: 3.0, 7: -2.0}, allowed_token_ids=[5, 7, 9, 11, 100]),
@@ -129,14 +179,15 @@ _SAMPLER_SCRIPT = textwrap.dedent("""
             for i, sp in enumerate(params):
                 prompt = torch.randint(0, V, (10,), generator=g).tolist()
                 states.add_request(f"r{i}", len(prompt), prompt, 0, 16)
-                sampler.add_request(states.req_id_to_index[f"r{i}"], len(prompt), sp)
+                sampler.add_request(states.req_id_to_index[f"r{i}"], sp)
             states.apply_staged_writes()
             sampler.apply_staged_writes()
             idx = np.array([states.req_id_to_index[f"r{i}"] for i in range(4)], dtype=np.int32)
             logits = torch.randn(4, V, generator=g)
-            return sampler.apply_sampling_params(logits, torch.from_numpy(idx), idx, torch.full((4,), 10),
+            idx_t = torch.from_numpy(idx)
+            return sampler.apply_sampling_params(logits, idx_t, idx_t, idx, torch.full((4,), 10),
                                                  torch.tensor([2, 0, 0, 1], dtype=torch.int32),
-                                                 torch.zeros(4, dtype=torch.int32))
+                                                 torch.zeros(4, dtype=torch.int32), np.full(4, 11, np.int32))
         finally:
             if mode:
                 dispatch.uninstall()

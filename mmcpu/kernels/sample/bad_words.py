@@ -1,5 +1,6 @@
 """Native ``vllm/v1/worker/gpu/sample/bad_words.py``: a bad word's last token becomes -inf when the tokens
-before it (output tokens, then this step's draft inputs) end with the word's prefix."""
+before it (output tokens, then this step's draft tokens, which follow the last committed one in input_ids) end
+with the word's prefix."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 @native("vllm.v1.worker.gpu.sample.bad_words", "_bad_words_kernel",
-        sha256="4d8b27e08bb617fc841c15bbd038a5bd81658d95b7efdc4f26cd20ace35f91d5")
+        sha256="d615f1d7c7e1715c892f4ce9c67e792f1ec9b6bc03c59669d7a4bda710086d9c")
 def _bad_words_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, bad_word_token_ids_ptr,
                       bad_word_token_ids_stride, bad_word_offsets_ptr, bad_word_offsets_stride, num_bad_words_ptr,
                       all_token_ids_ptr, all_token_ids_stride, prompt_len_ptr, total_len_ptr, input_ids_ptr,
@@ -53,7 +54,8 @@ def _bad_words_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr,
         expected = words[torch.where(used, (word_base + start)[..., None] + i, 0)]
         actual_pos = (effective_len - prefix_len)[..., None] + i
         from_spec = actual_pos >= output_len[:, None, None]
-        spec_at = first[:, None, None] + actual_pos - output_len[:, None, None]
+        # input_ids at a request's local position 0 is its last committed token; drafts start at 1.
+        spec_at = first[:, None, None] + actual_pos - output_len[:, None, None] + 1
         out_at = (req * all_token_ids_stride + prompt_len)[:, None, None] + actual_pos
         actual = torch.where(
             from_spec,
