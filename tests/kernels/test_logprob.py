@@ -53,10 +53,11 @@ def make_topk_case(rows: int, vocab: int, topk: int, *, special: bool = False, d
     def make(seed: int) -> Launch:
         g = torch.Generator().manual_seed(seed)
         logits = make_logits(g, rows, vocab, special=special).to(dtype)
-        ids = torch.randint(0, vocab, (rows, topk), generator=g, dtype=torch.int64)
+        # ids in a wider table: their row stride is not topk
+        ids = torch.randint(0, vocab, (rows, topk + 3), generator=g, dtype=torch.int64)[:, :topk]
         out = torch.full((rows, topk), -3.0)
         view = logits[1:, :vocab]
-        return Launch(grid=(rows,), args=(out, view, view.stride(0), ids, topk, vocab),
+        return Launch(grid=(rows,), args=(out, view, view.stride(0), ids, ids.stride(0), topk, vocab),
                       kwargs={"BLOCK_SIZE": 1024, "TOPK_BLOCK_SIZE": min(triton.next_power_of_2(topk), 1024)},
                       watch={"out": out, "logits": logits, "ids": ids})
 

@@ -13,10 +13,11 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 @native("vllm.v1.worker.gpu.sample.logprob", "_topk_log_softmax_kernel",
-        sha256="db099e50c4fc5ef1170bf977c65a40c8446d0d25443736234961db6b57119df9")
-def _topk_log_softmax_kernel(grid, output_ptr, logits_ptr, logits_stride, topk_ids_ptr, topk, vocab_size,
-                             BLOCK_SIZE, TOPK_BLOCK_SIZE):
-    # Per row: logits[ids] - max - log(sum(exp(logits - max))), all in fp32; ids and output are [rows, topk].
+        sha256="535eb7c043dbb1dc96a94c7cc74d2fa6640d697909fa707ba69e7dffdd1251a5")
+def _topk_log_softmax_kernel(grid, output_ptr, logits_ptr, logits_stride, topk_ids_ptr, topk_ids_stride, topk,
+                             vocab_size, BLOCK_SIZE, TOPK_BLOCK_SIZE):
+    # Per row: logits[ids] - max - log(sum(exp(logits - max))), all in fp32; ids are [rows, topk] with row stride
+    # topk_ids_stride, the output [rows, topk] contiguous.
     num_rows = grid[0]
     if num_rows == 0 or topk <= 0:
         return
@@ -26,7 +27,7 @@ def _topk_log_softmax_kernel(grid, output_ptr, logits_ptr, logits_stride, topk_i
     max_val = logits.amax(dim=1, keepdim=True).float()
     e = logits - max_val  # a new fp32 tensor (bf16 - fp32 promotes): the caller's logits stay untouched
     lse = e.exp_().sum(dim=1, keepdim=True).log_()
-    ids = topk_ids_ptr.as_strided((num_rows, topk), (topk, 1)).long()
+    ids = topk_ids_ptr.as_strided((num_rows, topk), (topk_ids_stride, 1)).long()
     picked = logits.gather(1, ids).float()
     output_ptr.as_strided((num_rows, topk), (topk, 1)).copy_(picked - max_val - lse)
 
