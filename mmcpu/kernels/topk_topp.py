@@ -270,10 +270,11 @@ def _block0_stats(x: np.ndarray, bs: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @native("vllm.v1.sample.ops.topk_topp_triton", "_topk_topp_kernel",
-        sha256="d71c38769ad049caec7c662888b47bf452dfae69b8b655ab6fc8831b137beeab")
+        sha256="539ec5f2f0f9f2875500c41022a65414960beae210562c4def55ba945cc84a36")
 def _topk_topp_kernel(grid, LOGITS, LOGITS_STRIDE_0, BUFFER, PERCENTILE_TO_STD_TABLE, NORMAL_CDF_TO_SIGMA_TABLE,
                       K, P, BATCH_SIZE, VOCAB_SIZE, MASK_VALUE, BLOCK_SIZE, BLOCK_SIZE_TRUNC, TOPK_ENABLED,
-                      TOPP_ENABLED):
+                      TOPP_ENABLED, SPLIT_COVERS_PONLY):
+    # The kernel loads logits in their own dtype; its launcher admits fp32 only, which is what this computes in.
     # Every row < BATCH_SIZE is handled exactly once whatever the grid; only the scratch row would differ.
     B, V, BS, BT = int(BATCH_SIZE), int(VOCAB_SIZE), int(BLOCK_SIZE), int(BLOCK_SIZE_TRUNC)
     if B == 0:
@@ -281,7 +282,8 @@ def _topk_topp_kernel(grid, LOGITS, LOGITS_STRIDE_0, BUFFER, PERCENTILE_TO_STD_T
     view = LOGITS.as_strided((B, V), (int(LOGITS_STRIDE_0), 1))
     with np.errstate(all="ignore"):
         keep, rows = _keep_mask(view, B, V, BS, BT, PERCENTILE_TO_STD_TABLE, NORMAL_CDF_TO_SIGMA_TABLE,
-                                K if TOPK_ENABLED else None, P if TOPP_ENABLED else None)
+                                K if TOPK_ENABLED else None, P if TOPP_ENABLED else None,
+                                bool(SPLIT_COVERS_PONLY and TOPK_ENABLED))
     if rows.size:
         # Masked lanes get MASK_VALUE as the kernel stores it: an fp32 constant, then cast to the logits dtype.
         fill = torch.tensor(float(F32(MASK_VALUE)), dtype=torch.float32).to(view.dtype)
@@ -296,8 +298,9 @@ def _topk_topp_kernel(grid, LOGITS, LOGITS_STRIDE_0, BUFFER, PERCENTILE_TO_STD_T
             view.masked_fill_(torch.from_numpy(drop), fill)
 
 
-def _keep_mask(view, B, V, BS, BT, pct_table, cdf_table, K, P):
-    """(keep mask of the rows the kernel rewrites, those rows' indices)."""
+def _keep_mask(view, B, V, BS, BT, pct_table, cdf_table, K, P, split_covers_ponly=False):
+    """(keep mask of the rows the kernel rewrites, those rows' indices). ``split_covers_ponly``: the split top-p
+    pipeline (CUDA only) handles the rows without an active top-k (k >= vocab), so standalone top-p skips them."""
     # fp32 copy padded to whole BLOCK_SIZE tiles with the kernel's masked-load value, so tiles are views.
     x = np.full((B, max(1, -(-V // BS)) * BS), -INF)
     x[:, :V] = view.detach().to(torch.float32).numpy()
@@ -351,7 +354,10 @@ def _keep_mask(view, B, V, BS, BT, pct_table, cdf_table, K, P):
 
     if P is not None:
         p = P[:B].to(torch.float32).numpy()
-        r = np.nonzero((final == -INF) & (p < F32(1.0)))[0]
+        standalone = (final == -INF) & (p < F32(1.0))
+        if split_covers_ponly:
+            standalone &= K[:B].to(torch.int64).numpy() < V
+        r = np.nonzero(standalone)[0]
         if r.size:
             _topp_alone(r, _rows(x, r), p[r], BS, BT, cdf_table, final, dup_logit, num_dup, num_keep, max_logit,
                         min_logit, fin_min[r], valid)
