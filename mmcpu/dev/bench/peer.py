@@ -1,13 +1,17 @@
-"""The benchmark's part that runs in the BENCH venv (.cache/bench-venv, requirements-bench.txt), not in the
-runtime venv: faster-whisper's dependencies (ctranslate2, onnxruntime, av, a newer protobuf) and matplotlib stay
-out of the runtime's pins. The benchmark runs this file by its path with that venv's python; it imports nothing
-from mmcpu.
+"""The benchmark's part that runs in a PEER's venv, not in the runtime venv, so no peer's dependencies move the
+runtime's pins: faster-whisper and matplotlib in the bench venv (.cache/bench-venv, requirements-bench.txt),
+OpenVINO GenAI and whisper.cpp (pywhispercpp) in their own (.cache/peers/NAME, mmcpu/dev/bench/peers.py). The
+benchmark runs this file by its path with that venv's python; it imports nothing from mmcpu.
 
-    python peer.py fw --model CT2_DIR --compute-type int8|float32
-        faster-whisper in this process. Prints {"ready": ...} once loaded, then answers one JSON line per command:
+    python peer.py fw --model CT2_DIR --compute-type int8|float32      faster-whisper (CTranslate2)
+    python peer.py ov --model IR_DIR                                    OpenVINO GenAI WhisperPipeline
+    python peer.py wcpp --model GGML_BIN                                whisper.cpp through pywhispercpp
+        one peer in this process. Prints {"ready": ...} once loaded, then answers one JSON line per command:
           {"op": "run", "files": [...], "concurrency": N, "cpu_threads": T, "num_workers": W, "batch": B,
            "warmup": bool} -> {"wall_s", "results": [{"latency_s", "text", "error"}]}
-            (B > 0: each file through BatchedInferencePipeline with batch_size B)
+            num_workers = replicas transcribing concurrently, each with cpu_threads threads (faster-whisper: its
+            own num_workers; OpenVINO, whisper.cpp: a pool of W pipelines / contexts). B > 0 (faster-whisper
+            only): each file through BatchedInferencePipeline with batch_size B
           {"op": "quit"}
     python peer.py plot --json RESULTS --out PNG
         audio throughput vs concurrency per system (the same requests at every level).
@@ -28,46 +32,128 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def serve_fw(model_dir: Path, compute_type: str) -> int:
-    # The protocol owns the real stdout; anything a library prints goes to stderr instead.
-    proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    sys.stdout = sys.stderr
+def read_wav(path: str):  # noqa: ANN201 - numpy is the peer venv's, not imported at module level
+    """A 16-bit PCM WAV (the workload's clips) as float32 in [-1, 1]: the input OpenVINO and whisper.cpp take."""
+    import wave
 
+    import numpy as np
+
+    with wave.open(path, "rb") as w:
+        if w.getsampwidth() != 2 or w.getnchannels() != 1 or w.getframerate() != 16000:
+            raise ValueError(f"{path}: want 16 kHz mono 16-bit PCM")
+        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype("float32") / 32768.0
+
+
+class Pool:
+    """``workers`` replicas of a single-stream model; a call takes a free one (blocking) and gives it back."""
+
+    def __init__(self, replicas: list) -> None:
+        import queue
+
+        self.free: queue.Queue = queue.Queue()
+        for r in replicas:
+            self.free.put(r)
+
+    def __call__(self, fn):  # noqa: ANN001, ANN204
+        replica = self.free.get()
+        try:
+            return fn(replica)
+        finally:
+            self.free.put(replica)
+
+
+def fw_backend(model_dir: Path, compute_type: str):  # noqa: ANN201
     import ctranslate2
     import faster_whisper
     from faster_whisper import BatchedInferencePipeline, WhisperModel
 
-    models: dict[tuple[int, int], WhisperModel] = {}
-
-    def model_for(threads: int, workers: int) -> WhisperModel:
+    def load(threads: int, workers: int):  # noqa: ANN202
         # num_workers = model replicas that transcribe concurrently, each with cpu_threads threads.
-        if (threads, workers) not in models:
-            models[threads, workers] = WhisperModel(str(model_dir), device="cpu", compute_type=compute_type,
-                                                    cpu_threads=threads, num_workers=workers)
-        return models[threads, workers]
+        model = WhisperModel(str(model_dir), device="cpu", compute_type=compute_type, cpu_threads=threads,
+                             num_workers=workers)
 
-    def transcribe(model: WhisperModel, path: str, batch: int) -> str:
-        # The same decoding as vLLM's transcription endpoint: greedy, no timestamps, no temperature fallback.
-        opts = dict(language="en", beam_size=1, temperature=0.0, without_timestamps=True)
-        if batch:  # its documented long-file mode: VAD cuts the file into <= 30 s chunks, decoded in batches
-            segments, _ = BatchedInferencePipeline(model).transcribe(path, batch_size=batch, **opts)
-        else:
-            segments, _ = model.transcribe(path, condition_on_previous_text=False, vad_filter=False, **opts)
-        return "".join(s.text for s in segments).strip()
+        def transcribe(path: str, batch: int) -> str:
+            # The same decoding as vLLM's transcription endpoint: greedy, no timestamps, no temperature fallback.
+            opts = dict(language="en", beam_size=1, temperature=0.0, without_timestamps=True)
+            if batch:  # its documented long-file mode: VAD cuts the file into <= 30 s chunks, decoded in batches
+                segments, _ = BatchedInferencePipeline(model).transcribe(path, batch_size=batch, **opts)
+            else:
+                segments, _ = model.transcribe(path, condition_on_previous_text=False, vad_filter=False, **opts)
+            return "".join(s.text for s in segments).strip()
 
-    def timed(model: WhisperModel, path: str, batch: int) -> dict:
+        return transcribe
+
+    isa = os.environ.get("CT2_FORCE_CPU_ISA") or "default"
+    return load, {"faster-whisper": faster_whisper.__version__, "ctranslate2": ctranslate2.__version__,
+                  "ct2_isa": isa}
+
+
+def ov_backend(ir_dir: Path):  # noqa: ANN201
+    import openvino
+    import openvino_genai
+
+    def load(threads: int, workers: int):  # noqa: ANN202
+        # One WhisperPipeline per replica, each with its own inference threads (latency hint: one stream each).
+        pool = Pool([openvino_genai.WhisperPipeline(str(ir_dir), "CPU", INFERENCE_NUM_THREADS=threads,
+                                                    PERFORMANCE_HINT="LATENCY") for _ in range(workers)])
+
+        def transcribe(path: str, batch: int) -> str:
+            audio = read_wav(path)
+            # greedy (num_beams 1), no timestamps, English; tiny.en has no language token
+            return pool(lambda p: str(p.generate(audio, max_new_tokens=440, num_beams=1,
+                                                 return_timestamps=False))).strip()
+
+        return transcribe
+
+    return load, {"openvino-genai": openvino_genai.__version__.split("-")[0], "openvino": openvino.__version__}
+
+
+def wcpp_backend(ggml_bin: Path):  # noqa: ANN201
+    from importlib import metadata
+
+    from pywhispercpp.model import Model
+
+    def load(threads: int, workers: int):  # noqa: ANN202
+        pool = Pool([Model(str(ggml_bin), n_threads=threads, print_progress=False, print_realtime=False,
+                           redirect_whispercpp_logs_to=None) for _ in range(workers)])
+        # greedy, no timestamps, English, no temperature fallback (temperature_inc 0): as the others decode
+        opts = dict(language="en", no_timestamps=True, temperature=0.0, temperature_inc=0.0, no_context=True)
+
+        def transcribe(path: str, batch: int) -> str:
+            audio = read_wav(path)
+            return pool(lambda m: "".join(s.text for s in m.transcribe(audio, **opts))).strip()
+
+        return transcribe
+
+    return load, {"pywhispercpp": metadata.version("pywhispercpp")}
+
+
+def serve(kind: str, model: Path, compute_type: str | None) -> int:
+    # The protocol owns the real stdout; anything a library prints goes to stderr instead.
+    proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr
+    load, versions = {"fw": lambda: fw_backend(model, compute_type), "ov": lambda: ov_backend(model),
+                      "wcpp": lambda: wcpp_backend(model)}[kind]()  # fmt: skip
+    loaded: dict[tuple[int, int], object] = {}
+
+    def model_for(threads: int, workers: int):  # noqa: ANN202
+        if (threads, workers) not in loaded:
+            if kind != "fw":  # one pool at a time: W replicas of every configuration tried would add up
+                loaded.clear()
+            loaded[threads, workers] = load(threads, workers)
+        return loaded[threads, workers]
+
+    def timed(transcribe, path: str, batch: int) -> dict:  # noqa: ANN001
         t0 = time.perf_counter()
         try:
-            text = transcribe(model, path, batch)
+            text = transcribe(path, batch)
             return {"latency_s": time.perf_counter() - t0, "text": text, "error": None}
         except Exception as exc:  # noqa: BLE001 - a failed request is a data point, not a crash
             return {"latency_s": time.perf_counter() - t0, "text": None, "error": f"{type(exc).__name__}: {exc}"}
 
     model_for(1, 1)
-    proto.write(json.dumps({
-        "ready": True, "pid": os.getpid(), "compute_type": compute_type, "cpus": _cpus(),
-        "versions": {"faster-whisper": faster_whisper.__version__, "ctranslate2": ctranslate2.__version__},
-    }) + "\n")  # fmt: skip
+    proto.write(json.dumps({"ready": True, "pid": os.getpid(), "compute_type": compute_type, "cpus": _cpus(),
+                            "versions": versions}) + "\n")  # fmt: skip
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "quit":
@@ -76,12 +162,15 @@ def serve_fw(model_dir: Path, compute_type: str) -> int:
             proto.write(json.dumps({"error": f"unknown op {req['op']!r}"}) + "\n")
             continue
         conc, batch = int(req["concurrency"]), int(req.get("batch") or 0)
-        model = model_for(int(req["cpu_threads"]), int(req["num_workers"]))
+        if batch and kind != "fw":
+            proto.write(json.dumps({"error": "batch is faster-whisper's long-file mode only"}) + "\n")
+            continue
+        transcribe = model_for(int(req["cpu_threads"]), int(req["num_workers"]))
         if req.get("warmup"):
-            transcribe(model, req["files"][0], batch)
+            transcribe(req["files"][0], batch)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=conc) as pool:
-            results = list(pool.map(lambda f: timed(model, f, batch), req["files"]))
+            results = list(pool.map(lambda f: timed(transcribe, f, batch), req["files"]))
         proto.write(json.dumps({"wall_s": time.perf_counter() - t0, "results": results}) + "\n")
     return 0
 
@@ -128,16 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     fw = sub.add_parser("fw", help="serve faster-whisper over stdin/stdout")
     fw.add_argument("--model", type=Path, required=True, help="CTranslate2 model folder")
     fw.add_argument("--compute-type", required=True, choices=["int8", "float32", "int8_float32", "float16"])
+    ov = sub.add_parser("ov", help="serve OpenVINO GenAI's WhisperPipeline over stdin/stdout")
+    ov.add_argument("--model", type=Path, required=True, help="OpenVINO IR folder (optimum-cli export openvino)")
+    wc = sub.add_parser("wcpp", help="serve whisper.cpp (pywhispercpp) over stdin/stdout")
+    wc.add_argument("--model", type=Path, required=True, help="ggml model file")
     pl = sub.add_parser("plot", help="throughput vs concurrency PNG")
     pl.add_argument("--json", type=Path, required=True)
     pl.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    if args.cmd == "fw":
-        if not (args.model / "model.bin").is_file():
-            print(f"error: {args.model} has no model.bin", file=sys.stderr)
-            return 2
-        return serve_fw(args.model, args.compute_type)
-    return plot(args.json, args.out)
+    if args.cmd == "plot":
+        return plot(args.json, args.out)
+    need = {"fw": args.model / "model.bin", "ov": args.model / "openvino_encoder_model.xml", "wcpp": args.model}
+    if not need[args.cmd].is_file():
+        print(f"error: {need[args.cmd]} missing", file=sys.stderr)
+        return 2
+    return serve(args.cmd, args.model, getattr(args, "compute_type", None))
 
 
 if __name__ == "__main__":

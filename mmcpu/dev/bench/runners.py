@@ -77,25 +77,29 @@ class Http:
                          [(0.0, "vision", None)] * len(image_sets))  # fmt: skip
 
 
-class FasterWhisper:
-    """faster-whisper in the bench venv (peer.py), one process per weights and compute type, over stdin/stdout."""
+class Peer:
+    """One peer process (peer.py in that peer's venv: faster-whisper, OpenVINO GenAI or whisper.cpp) over
+    stdin/stdout; ``env`` adds settings it reads at start (e.g. CT2_FORCE_CPU_ISA)."""
 
-    def __init__(self, python: Path, model: Path, compute_type: str, log_path: Path) -> None:
+    def __init__(self, python: Path, argv: list[str], what: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         t0 = time.monotonic()
-        self.compute_type, self.log = compute_type, log_path.open("wb")
-        self.proc = subprocess.Popen([str(python), "-P", str(PEER), "fw", "--model", str(model), "--compute-type",
-                                      compute_type], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, bufsize=1)  # fmt: skip
+        self.what, self.log = what, log_path.open("wb")
+        self.proc = subprocess.Popen([str(python), "-P", str(PEER), *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
+                                     env={**os.environ, **(env or {})})  # fmt: skip
         hello = self._read()
         if not hello.get("ready"):
-            raise RuntimeError(f"faster-whisper {compute_type} did not start: {hello} (log {log_path})")
+            raise RuntimeError(f"{what} did not start: {hello} (log {log_path})")
         self.ready_s, self.versions = time.monotonic() - t0, hello["versions"]
         self.warm: set[tuple] = set()
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"faster-whisper {self.compute_type} exited with {self.proc.wait()}")
+            self.log.flush()
+            tail = [ln for ln in Path(self.log.name).read_text(errors="replace").splitlines() if ln.strip()][-3:]
+            raise RuntimeError(f"{self.what} exited with {self.proc.wait()}: {' | '.join(tail)[-600:]}")
         return json.loads(line)
 
     @property
@@ -112,6 +116,8 @@ class FasterWhisper:
         self.proc.stdin.flush()
         self.warm.add(key)  # the first call on a freshly loaded model is slow: the peer sends one untimed first
         reply = self._read()
+        if "error" in reply:
+            raise RuntimeError(f"{self.what}: {reply['error']}")
         samples = [Sample(r["latency_s"], c.seconds, r["text"], r["error"], "audio", c.text)
                    for c, r in zip(clips, reply["results"], strict=True)]  # fmt: skip
         return Round(concurrency, reply["wall_s"], samples)
@@ -126,6 +132,12 @@ class FasterWhisper:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def FasterWhisper(python: Path, model: Path, compute_type: str, log_path: Path,  # noqa: N802 - was a class
+                  env: dict[str, str] | None = None) -> Peer:  # fmt: skip
+    return Peer(python, ["fw", "--model", str(model), "--compute-type", compute_type],
+                f"faster-whisper {compute_type}", log_path, env)
 
 
 class Gateway:
