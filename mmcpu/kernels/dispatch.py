@@ -45,6 +45,7 @@ NATIVE_MODULES = (
     "mmcpu.kernels.metrics.logits",
     "mmcpu.kernels.mm.rope",
     "mmcpu.kernels.model_states.mamba_hybrid",
+    "mmcpu.kernels.model_states.prompt_embeds",
     "mmcpu.kernels.sample.gumbel",
     "mmcpu.kernels.sample.min_p",
     "mmcpu.kernels.sample.penalties",
@@ -52,6 +53,8 @@ NATIVE_MODULES = (
     "mmcpu.kernels.sample.bad_words",
     "mmcpu.kernels.sample.logprob",
     "mmcpu.kernels.sample.prompt_logprob",
+    "mmcpu.kernels.sample.output",
+    "mmcpu.kernels.sample.trace_replay",
     "mmcpu.kernels.topk_topp",
 )
 

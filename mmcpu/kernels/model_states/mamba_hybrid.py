@@ -21,3 +21,16 @@ def _scatter_num_accepted_kernel(grid, idx_mapping_ptr, num_sampled_ptr, num_acc
         return
     value = num_sampled_ptr[:rows][keep].clamp_min(1)
     num_accepted_ptr[req[keep].long()] = value.to(num_accepted_ptr.dtype)
+
+
+@native("vllm.v1.worker.gpu.model_states.mamba_hybrid", "_fill_num_accepted_kernel",
+        sha256="1c8ea4a64730954db4355dee52ea60ffdf0df99287214ed2f078da2d59f3f7d0")
+def _fill_num_accepted_kernel(grid, idx_mapping_ptr, num_accepted_ptr, num_sampled):
+    # One program per batch row: num_accepted[idx_mapping[row]] = num_sampled (one value); -1 rows are skipped.
+    rows = grid[0]
+    if rows <= 0:
+        return
+    req = idx_mapping_ptr[:rows]
+    keep = req[req >= 0].long()
+    if keep.numel():
+        num_accepted_ptr[keep] = num_sampled
