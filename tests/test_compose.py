@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from mmcpu import launch
+from mmcpu import supervisor
 from mmcpu.config import REPO_ROOT, Settings
 
 SERVICES = {"audio", "vision", "gateway"}
@@ -122,7 +122,7 @@ def test_stop_grace_covers_the_drain_and_the_launchers_own_grace(default):
     for name, service in default.items():
         grace = duration_s(service["stop_grace_period"])
         # The launcher kills a child still running at drain + STARTUP_GRACE_S; Docker must not SIGKILL first.
-        assert grace > drain + launch.STARTUP_GRACE_S, f"{name}: {grace} s"
+        assert grace > drain + supervisor.STARTUP_GRACE_S, f"{name}: {grace} s"
 
 
 def test_each_service_checks_its_own_role_with_sane_timings(default):

@@ -1,4 +1,5 @@
-"""mmcpu.cpu: which CPU a figure came from (the machines of one kind differ), read from /proc/cpuinfo."""
+"""mmcpu.cpu: which CPU a figure came from (the machines of one kind differ), read from /proc/cpuinfo, and how much
+of it a process gets (affinity, cgroup quota)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,23 @@ def test_loaded_vllm_c_reads_the_process_maps(tmp_path):
                     "7f30-7f40 r-xp 00000000 08:01 3 /venv/lib/python3.11/site-packages/torch/lib/_C.so\n")
     assert cpu.loaded_vllm_c(maps) == ["_C_AVX512.abi3.so"]
     assert cpu.loaded_vllm_c(tmp_path / "none") == []
+
+
+# --- how much of it: the cgroup's quota and this process's affinity ---------------------------------------------
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_cgroup_cpu_quota(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu.cgroup_cpu_quota(tmp_path) == expected
+
+
+def test_this_process_cpus_are_read():
+    cpus = cpu.Cpus.current()
+    assert set(cpus.allowed) == os.sched_getaffinity(0) and 1 <= cpus.count <= len(cpus.allowed)

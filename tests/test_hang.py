@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from mmcpu import healthcheck, launch
+from mmcpu import health, supervisor
 from mmcpu.config import Settings
 
 # The fake engine, also run as a launcher's child: `python -c FAKE PORT HANG_FILE` hangs while HANG_FILE exists.
@@ -147,30 +147,30 @@ def engines() -> Iterator[list[FakeEngine]]:
 def test_progress_check_tells_hung_from_busy(engines) -> None:
     engine = FakeEngine()
     engines.append(engine)
-    verdict, tokens = healthcheck.progress_check("vision", engine.port, 5, 1.0, None)
+    verdict, tokens = health.progress_check("vision", engine.port, 5, 1.0, None)
     assert verdict.startswith("ok (1-token probe") and tokens == 1
     engine.state.tokens += 5  # busy: counters moved, no probe sent
     posts = engine.state.posts
-    assert healthcheck.progress_check("vision", engine.port, 5, 1.0, tokens)[0] == "ok (progress)"
+    assert health.progress_check("vision", engine.port, 5, 1.0, tokens)[0] == "ok (progress)"
     assert engine.state.posts == posts
     engine.hung.set()  # /health and /metrics still answer
     t0 = time.monotonic()
-    with pytest.raises(healthcheck.Unhealthy, match=r"no progress: .*1-token probe, bound 1s"):
-        healthcheck.progress_check("vision", engine.port, 5, 1.0, tokens + 5)
+    with pytest.raises(health.Unhealthy, match=r"no progress: .*1-token probe, bound 1s"):
+        health.progress_check("vision", engine.port, 5, 1.0, tokens + 5)
     assert time.monotonic() - t0 < 5
 
 
 def test_healthcheck_trusts_a_fresh_watchdog_pass(engines, tmp_path, monkeypatch) -> None:
     engine = FakeEngine()
     engines.append(engine)
-    monkeypatch.setattr(healthcheck, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(health, "STATE_DIR", tmp_path)
     engine.hung.set()
-    healthcheck.record_watchdog_pass(engine.port)
-    assert healthcheck.probe_engine("vision", engine.port, 5, 0.5, fresh_s=30).startswith("ok (launcher watchdog")
+    health.record_watchdog_pass(engine.port)
+    assert health.probe_engine("vision", engine.port, 5, 0.5, fresh_s=30).startswith("ok (launcher watchdog")
     assert engine.state.posts == 0
     (tmp_path / f"mmcpu-watchdog-{engine.port}.json").write_text(json.dumps({"time": time.time() - 60}))
-    with pytest.raises(healthcheck.Unhealthy):  # stale: it checks by itself
-        healthcheck.probe_engine("vision", engine.port, 5, 0.5, fresh_s=30)
+    with pytest.raises(health.Unhealthy):  # stale: it checks by itself
+        health.probe_engine("vision", engine.port, 5, 0.5, fresh_s=30)
 
 
 # --- launcher ---------------------------------------------------------------------------------------------------
@@ -178,12 +178,13 @@ def supervised_fake(tmp_path: Path, port: int, **settings: object) -> subprocess
     """A launcher (own process) supervising the fake engine as its `audio` child, with a watchdog."""
     code = textwrap.dedent(f"""
         import sys
-        from mmcpu import launch
+        from mmcpu import health, supervisor
         from mmcpu.config import Settings
         settings = Settings(**{settings!r})
         child = [sys.executable, "-c", {FAKE!r}, "{port}", "{tmp_path / 'hang'}"]
-        dogs = launch.watchdogs(settings, {{"audio": ({port}, "vision")}})
-        sys.exit(launch.supervise([("audio", child, None)], "audio", ports={{"audio": {port}}}, watch=dogs))
+        dogs = supervisor.watchdogs(settings, [health.Target("audio", {port}, "vision")])
+        sys.exit(supervisor.supervise([supervisor.Process("audio", child, None)], "audio", ports={{"audio": {port}}},
+                                      watch=dogs))
     """)
     return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
 
@@ -231,7 +232,7 @@ def test_watchdog_kills_a_hung_engine_and_exits_1(tmp_path: Path) -> None:
 def test_watchdog_leaves_a_slow_busy_engine_alone(engines) -> None:
     engine = FakeEngine()
     engines.append(engine)
-    dog = launch.Watchdog("vision", engine.port, interval=0.2, failures=2, timeout=5, probe_s=0.5)
+    dog = supervisor.Watchdog("vision", engine.port, interval=0.2, failures=2, timeout=5, probe_s=0.5)
     dog.start()
     try:
         time.sleep(1)
@@ -259,7 +260,7 @@ def test_watchdog_leaves_a_slow_busy_engine_alone(engines) -> None:
 
 def test_watchdog_ignores_an_engine_still_starting(tmp_path: Path) -> None:
     port = free_port()
-    dog = launch.Watchdog("vision", port, interval=0.1, failures=1, timeout=1, probe_s=0.5)
+    dog = supervisor.Watchdog("vision", port, interval=0.1, failures=1, timeout=1, probe_s=0.5)
     dog.start()
     time.sleep(1)  # refused connections for 10 checks: not serving yet, no verdict
     dog.stopped.set()
@@ -268,9 +269,10 @@ def test_watchdog_ignores_an_engine_still_starting(tmp_path: Path) -> None:
 
 def test_watchdogs_follow_the_settings() -> None:
     settings = Settings(watchdog_interval_s=0)
-    assert launch.watchdogs(settings, {"audio": (8001, "audio")}) == {}
-    dogs = launch.watchdogs(Settings(watchdog_failures=4, health_probe_s=7), {"audio": (8001, "audio")})
-    assert dogs["audio"].failures == 4 and dogs["audio"].probe_s == 7 and dogs["audio"].engine == "audio"
+    target = health.Target("audio", 8001, "audio")
+    assert supervisor.watchdogs(settings, [target]) == {}
+    dogs = supervisor.watchdogs(Settings(watchdog_failures=4, health_probe_s=7), [target])
+    assert dogs["audio"].failures == 4 and dogs["audio"].probe_s == 7 and dogs["audio"].kind == "audio"
 
 
 def test_model_kind(tmp_path: Path) -> None:
@@ -278,9 +280,9 @@ def test_model_kind(tmp_path: Path) -> None:
     (tmp_path / "w" / "config.json").write_text(json.dumps({"model_type": "whisper"}))
     (tmp_path / "l").mkdir()
     (tmp_path / "l" / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"]}))
-    assert launch.model_kind(str(tmp_path / "w")) == "audio"
-    assert launch.model_kind(str(tmp_path / "l")) == "vision"
-    assert launch.model_kind("openai/whisper-tiny.en") == "audio"
+    assert health.model_kind(str(tmp_path / "w")) == "audio"
+    assert health.model_kind(str(tmp_path / "l")) == "vision"
+    assert health.model_kind("openai/whisper-tiny.en") == "audio"
 
 
 # --- gateway ----------------------------------------------------------------------------------------------------
@@ -354,6 +356,65 @@ def test_gateway_keeps_a_slow_busy_engine(engines) -> None:
         assert served.app.state.upstreams.engines["audio"].up
     finally:
         served.stop()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stall_detector_tells_a_stall_from_slow_progress() -> None:
+    """The gateway's rule without a gateway: requests wait and nothing progresses for stall_s = a stall; response
+    bytes or moved counters are progress; idle time before the first request waits does not count."""
+    clock = Clock()
+    stall = health.StallDetector(10, clock)
+    clock.now += 60  # idle: nothing waits, nothing stalls
+    assert stall.stalled() is None and not stall.counters_due()
+    with stall.waiting():
+        clock.now += 9.5
+        assert stall.stalled() is None
+        stall.progressed()  # bytes of another response
+        clock.now += 9.5
+        assert stall.stalled() is None
+        assert stall.counters_due()  # quiet for a fifth of the window: the counters are read
+        stall.counters(50.0)  # moved (from unknown): progress
+        assert not stall.counters_due()  # read just now
+        clock.now += 2.5
+        assert stall.counters_due()
+        stall.counters(50.0)  # unchanged: no progress
+        clock.now += 7.5
+        assert stall.stalled() == 10
+        stall.hang()
+        assert stall.is_hung and stall.hung.is_set()
+    assert stall.inflight == 0
+    assert not stall.recovered(50.0) and not stall.recovered(None) and stall.recovered(51.0)
+    stall.clear()
+    assert not stall.is_hung and not stall.hung.is_set()
+
+
+def test_stall_detector_counts_waiting_requests_and_can_be_off() -> None:
+    clock = Clock()
+    stall = health.StallDetector(10, clock)
+    with stall.waiting():
+        clock.now += 5
+        with stall.waiting():  # a second request does not restart the first one's wait
+            clock.now += 5
+            assert stall.inflight == 2 and stall.stalled() == 10
+        assert stall.inflight == 1
+    with pytest.raises(RuntimeError), stall.waiting():
+        raise RuntimeError("the send failed")
+    assert stall.inflight == 0 and stall.stalled() is None
+    stall.hang()
+    assert stall.hung_tokens == -1.0  # hung before its counters were ever read: any value is a change
+    stall.forget()
+    assert not stall.is_hung
+    off = health.StallDetector(0, clock)
+    with off.waiting():
+        clock.now += 1000
+        assert off.stalled() is None and not off.counters_due()
 
 
 # --- a real engine ----------------------------------------------------------------------------------------------

@@ -113,8 +113,8 @@ def run_check(tmp_path, *role: str, gateway: int | None = None, audio: int | Non
                    MMCPU_VISION_PORT=str(vision or idle_vision), MMCPU_HEALTH_PROBE_S=str(probe_s),
                    MMCPU_HEALTH_TIMEOUT_S=str(health_timeout_s))
         # The check keeps its progress state and reads the role file under /tmp; point both at the test's dir.
-        code = ("import sys, pathlib, mmcpu.healthcheck as h; h.STATE_DIR = pathlib.Path(sys.argv[1]); "
-                "h.ROLE_FILE = h.STATE_DIR / 'role'; sys.argv = sys.argv[1:]; sys.exit(h.main())")
+        code = ("import sys, pathlib, mmcpu.health as h, mmcpu.healthcheck as c; h.STATE_DIR = pathlib.Path(sys.argv[1]); "
+                "h.ROLE_FILE = h.STATE_DIR / 'role'; sys.argv = sys.argv[1:]; sys.exit(c.main())")
         return subprocess.run([sys.executable, "-c", code, str(tmp_path), *role], env=env, capture_output=True,
                               text=True, timeout=60)
 

@@ -17,17 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from mmcpu import launch
+from mmcpu import health, launch
 from mmcpu.config import Settings
+from mmcpu.cpu import Cpus
+from mmcpu.proc import exit_status
 
 
 def supervisor(child: str, *, drain_s: float = 0, grace_s: float = 15) -> subprocess.Popen:
     """A launcher (in its own process, so it can take signals) supervising one python child running `child`."""
     code = textwrap.dedent(f"""
         import sys
-        from mmcpu import launch
-        launch.STARTUP_GRACE_S = {grace_s}
-        sys.exit(launch.supervise([("audio", [sys.executable, "-c", {child!r}], None)], "audio", drain_s={drain_s}))
+        from mmcpu import supervisor
+        supervisor.STARTUP_GRACE_S = {grace_s}
+        child = supervisor.Process("audio", [sys.executable, "-c", {child!r}], None)
+        sys.exit(supervisor.supervise([child], "audio", drain_s={drain_s}))
     """)
     return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
 
@@ -111,13 +114,13 @@ def test_drain_0_keeps_vllms_abort_on_shutdown():
 
 
 def test_exit_status_of_a_signalled_child():
-    assert launch.exit_status(-signal.SIGKILL) == 137
-    assert launch.exit_status(3) == 3
+    assert exit_status(-signal.SIGKILL) == 137
+    assert exit_status(3) == 3
 
 
 def test_entrypoint_writes_the_role_for_the_healthcheck(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(launch, "run", lambda commands, role, settings, ports, *_: seen.update(role=role) or 0)
+    monkeypatch.setattr(launch, "run", lambda children, role, settings, specs: seen.update(role=role) or 0)
     monkeypatch.setattr(launch, "ROLE_FILE", tmp_path / "role")
     assert launch.entrypoint(["vision"]) == 0
     assert seen["role"] == "vision"
@@ -125,7 +128,6 @@ def test_entrypoint_writes_the_role_for_the_healthcheck(tmp_path, monkeypatch):
 
 
 # --- CPU placement: threads from the CPUs given -----------------------------------------------------------------
-Cpus = launch.Cpus
 
 
 @pytest.mark.parametrize("cpus, expected", [
@@ -162,25 +164,6 @@ def test_all_role_splits_from_four_cpus_and_shares_below():
     # The single-engine roles keep every CPU.
     [(_, _, env)] = launch.role_commands("audio", Settings(), cpus=Cpus((0, 1, 2, 3)))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
-
-
-@pytest.mark.parametrize("files, expected", [
-    ({"cpu.max": "max 100000\n"}, None),
-    ({"cpu.max": "150000 100000\n"}, 1.5),
-    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
-    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
-    ({}, None),
-])
-def test_cgroup_cpu_quota(tmp_path, files, expected):
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    assert launch.cgroup_cpu_quota(tmp_path) == expected
-
-
-def test_this_process_cpus_are_read():
-    cpus = Cpus.current()
-    assert set(cpus.allowed) == os.sched_getaffinity(0) and 1 <= cpus.count <= len(cpus.allowed)
 
 
 def test_engine_gets_kv_cache_bytes_and_the_uniproc_executor():
@@ -243,3 +226,109 @@ def test_engines_compute_in_the_per_cpu_dtype_unless_told_otherwise():
     # MMCPU_DTYPE is every engine's, the roles' defaults included.
     both = launch.role_commands("all", Settings(dtype="bfloat16"), cpus=Cpus((0, 1)))
     assert [dtype(argv) for name, argv, _ in both if name != "gateway"] == ["bfloat16", "bfloat16"]
+
+
+# --- an engine spec makes vLLM's command line and environment ----------------------------------------------------
+def option(argv: list[str], name: str) -> str:
+    assert argv.count(name) == 1, f"{name} given {argv.count(name)} times: {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def test_engine_spec_makes_argv_and_env(tmp_path):
+    from mmcpu import defaults
+
+    model = tmp_path / "my-whisper"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "whisper"}')
+    spec = launch.EngineSpec("ocr", str(model), 8011, ("--max-num-seqs", "3"), Cpus((2, 3)))
+    assert spec.kind == "audio" and spec.target == health.Target("ocr", 8011, "audio")  # derived once, from the model
+    settings = Settings(drain_s=30, kernel_stats=None)
+    chosen = defaults.Resolved(model=str(model) + "-int8", dtype="bfloat16", quantization="int8", why="test")
+    argv, env = spec.argv(settings, chosen), spec.env(settings, base={"KEEP": "1"})
+    assert option(argv, "--model") == str(model) + "-int8"
+    assert option(argv, "--served-model-name") == "my-whisper"  # the name clients know, whatever is loaded
+    assert (option(argv, "--port"), option(argv, "--dtype"), option(argv, "--shutdown-timeout")) == ("8011", "bfloat16", "30")
+    assert argv[-2:] == ["--max-num-seqs", "3"]
+    assert env["KEEP"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3" and env["OMP_NUM_THREADS"] == "2"
+    assert env["MMCPU_KERNEL_STATS"] == str(health.kernel_stats_path(settings, 8011))
+    # An explicit kind and served name win over the model's.
+    named = launch.EngineSpec("x", str(model), 1, kind="vision", served_model_name="public")
+    assert named.kind == "vision" and option(named.argv(settings, chosen), "--served-model-name") == "public"
+
+
+def test_vllm_gets_its_shutdown_timeout_once():
+    for child in launch.role_commands("all", Settings(extra_args="--max-num-seqs 4"), cpus=Cpus((0, 1))):
+        if child.name != "gateway":
+            assert option(child.argv, "--shutdown-timeout") == "120"
+
+
+def test_gateway_runs_as_its_module():
+    gateway = launch.role_commands("gateway", Settings(), base={"A": "b"})
+    assert [(p.name, p.argv[1:], p.env) for p in gateway] == [("gateway", ["-m", "mmcpu.gateway"], {"A": "b"})]
+
+
+EXTRA = '{"ocr": {"model": "/models/tiny-qwen2-vl", "port": 8003, "args": "--max-num-seqs 2"}, ' \
+        '"asr": {"model": "/models/speech", "port": 8004, "kind": "audio"}}'
+
+
+def test_settings_describe_any_number_of_engines(monkeypatch):
+    monkeypatch.setenv("MMCPU_ENGINE_ROLES", EXTRA)
+    settings = Settings()
+    assert list(settings.roles) == ["audio", "vision", "ocr", "asr"]  # audio and vision stay the defaults
+    assert health.roles(settings) == ("audio", "vision", "ocr", "asr", "gateway", "all")
+    assert [(t.name, t.port, t.kind) for t in health.role_targets(settings)] == [
+        ("audio", 8001, "audio"), ("vision", 8002, "vision"), ("ocr", 8003, "vision"), ("asr", 8004, "audio")]
+    [ocr] = launch.role_commands("ocr", settings, cpus=Cpus((0, 1)))
+    assert ocr.name == "ocr" and option(ocr.argv, "--port") == "8003" and ocr.argv[-2:] == ["--max-num-seqs", "2"]
+    # `all` runs every engine and the gateway; from 2 CPUs per engine each gets cores of its own.
+    everything = launch.role_commands("all", settings, cpus=Cpus(tuple(range(8))))
+    assert [p.name for p in everything] == ["audio", "vision", "ocr", "asr", "gateway"]
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in everything[:4]] == ["0,1", "2,3", "4,5", "6,7"]
+    # Today's names still describe audio and vision.
+    monkeypatch.setenv("MMCPU_VISION_PORT", "9002")
+    assert Settings().roles["vision"].port == 9002
+
+
+@pytest.mark.parametrize("roles, needle", [
+    ('{"all": {"model": "m", "port": 1}}', "other than gateway / all"),
+    ('{"audio": {"model": "m", "port": 1}}', "MMCPU_AUDIO_MODEL"),
+    ('{"Bad Name": {"model": "m", "port": 1}}', "lower-case name"),
+    ('{"ocr": {"model": "m"}}', "port"),
+    ('{"ocr": {"model": "m", "port": 1, "kind": "video"}}', "kind"),
+])
+def test_engine_roles_that_cannot_work_are_refused(monkeypatch, roles, needle):
+    from pydantic import ValidationError
+
+    monkeypatch.setenv("MMCPU_ENGINE_ROLES", roles)
+    with pytest.raises(ValidationError, match=needle):
+        Settings()
+
+
+def test_entrypoint_runs_a_role_of_the_settings(monkeypatch, tmp_path):
+    from mmcpu.config import get_settings
+
+    seen = {}
+    monkeypatch.setattr(launch, "run", lambda children, role, settings, specs: seen.update(
+        role=role, children=[c.name for c in children], targets=[s.target for s in specs]) or 0)
+    monkeypatch.setattr(launch, "ROLE_FILE", tmp_path / "role")
+    monkeypatch.setattr(launch, "preflight", lambda settings: None)
+    monkeypatch.setenv("MMCPU_ENGINE_ROLES", EXTRA)
+    get_settings.cache_clear()
+    try:
+        assert launch.entrypoint(["asr"]) == 0
+        assert seen == {"role": "asr", "children": ["asr"], "targets": [health.Target("asr", 8004, "audio")]}
+        assert (tmp_path / "role").read_text() == "asr"
+        with pytest.raises(SystemExit):
+            launch.entrypoint(["nobody"])  # argparse: not a role of these settings
+    finally:
+        get_settings.cache_clear()
+
+
+def test_the_e2e_script_asks_python_for_its_facts(capsys):
+    from mmcpu.dev import shell
+
+    for args, expected in [(["served-name", "/models/whisper-tiny.en"], "whisper-tiny.en"),
+                           (["served-name", "openai/whisper-tiny.en"], "openai/whisper-tiny.en"),
+                           (["human", str(2587654321)], "2.41GiB"), (["human", "1536"], "1.50KiB")]:
+        assert shell.main(args) == 0 and capsys.readouterr().out == expected + "\n"
+    assert shell.main(["free-port"]) == 0 and 1024 <= int(capsys.readouterr().out) < 65536

@@ -43,8 +43,9 @@ from kubernetes.utils.quantity import parse_quantity
 from pydantic import ValidationError
 
 from mmcpu.config import REPO_ROOT, Settings
-from mmcpu import launch
-from mmcpu.launch import Cpus, role_commands
+from mmcpu import supervisor
+from mmcpu.cpu import Cpus
+from mmcpu.launch import role_commands
 
 KUBE_DIR = REPO_ROOT / "deploy" / "kubernetes"
 OVERLAYS_DIR = KUBE_DIR / "overlays"
@@ -68,7 +69,7 @@ MIN_STARTUP_S = 90  # measured: a vLLM CPU engine with a tiny model is ready aft
 MIN_DRAIN_S = 60  # least time an engine gets to finish in-flight requests after SIGTERM
 # After the drain: mmcpu-entrypoint kills a child still running drain + STARTUP_GRACE_S after SIGTERM;
 # the kubelet must not SIGKILL the pod before that.
-EXIT_MARGIN_S = max(10, getattr(launch, "STARTUP_GRACE_S", 0))
+EXIT_MARGIN_S = max(10, supervisor.STARTUP_GRACE_S)
 # Measured 2.2 GiB cgroup peak for a tiny-model engine under load (uniproc executor, docs/docker.md): 2.5 GiB
 # besides the KV cache, plus 1 GiB for /dev/shm and request buffers.
 ENGINE_RUNTIME_GIB = 2.5

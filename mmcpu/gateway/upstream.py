@@ -18,7 +18,7 @@ from starlette.responses import StreamingResponse
 from mmcpu.config import Settings
 from mmcpu.gateway.errors import BodyTooLarge, OpenAIError, engine_unavailable
 from mmcpu.gateway.metrics import Metrics
-from mmcpu.healthcheck import token_count  # progress means the same to the gateway as to the health check
+from mmcpu.health import StallDetector, token_count  # progress means the same here as to the health check
 
 log = logging.getLogger("mmcpu.gateway")
 
@@ -43,17 +43,8 @@ class Engine:
     # 503 (engine down), not 404 (unknown model).
     models: list[dict[str, Any]] = field(default_factory=list)
     listed_at: float = float("-inf")
-    # Stall detection (Upstreams.check_stalls): requests waiting for its answer's headers, when one last made progress (a response's
-    # headers or bytes, token counters that moved, or the first request starting to wait), the counters' last
-    # value, and - while it is down as hung - the value it hung at (it stays down until that changes or the
-    # engine goes away, e.g. its launcher killed it and the restart policy brings it back).
-    inflight: int = 0
-    progress_at: float = 0.0
-    tokens: float | None = None
-    tokens_at: float = float("-inf")
-    hung_tokens: float | None = None
-    # Set when it is marked hung: requests waiting on it give up with a 503 at once.
-    hung: asyncio.Event = field(default_factory=asyncio.Event)
+    # Hang detection: the request path reports waiting and progress to it, Upstreams.check_stalls asks it.
+    stall: StallDetector = field(default_factory=lambda: StallDetector(0))
 
     def serves(self, model: str) -> bool:
         return any(m.get("id") == model for m in self.models)
@@ -72,7 +63,8 @@ class Upstreams:
         self.probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.connect_timeout_s)
         self.models_ttl = settings.models_ttl_s
         self.stall_s = settings.stall_s
-        self.engines = {name: Engine(name, url) for name, url in settings.engines.items()}
+        self.engines = {name: Engine(name, url, stall=StallDetector(settings.stall_s))
+                        for name, url in settings.engines.items()}
 
     # --- state --------------------------------------------------------------------------------------
     def _mark(self, engine: Engine, up: bool, error: str | None = None) -> None:
@@ -82,9 +74,7 @@ class Upstreams:
             log.info("engine %s is up again", engine.name)
         engine.up, engine.error = up, None if up else error
         if up:
-            engine.hung_tokens = None
-            if engine.hung.is_set():
-                engine.hung = asyncio.Event()
+            engine.stall.clear()
         self.metrics.engine_up.labels(engine.name).set(1 if up else 0)
 
     async def probe(self, engine: Engine) -> None:
@@ -94,16 +84,15 @@ class Upstreams:
             r = await self.client.get(f"{engine.url}/health", timeout=self.probe_timeout)
         except httpx.HTTPError as exc:
             if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-                engine.hung_tokens = None  # gone: what comes back on its address is a new process
+                engine.stall.forget()  # gone: what comes back on its address is a new process
             self._mark(engine, False, _reason(exc))
             return
         if r.status_code != 200:
             self._mark(engine, False, f"/health answered {r.status_code}")
-        elif engine.hung_tokens is not None:
+        elif engine.stall.is_hung:
             # vLLM's /health answers while its EngineCore hangs: only moved counters bring a hung engine back.
-            tokens = await self.read_tokens(engine)
-            if tokens is not None and tokens != engine.hung_tokens:
-                engine.hung_tokens = None
+            if engine.stall.recovered(await self.read_tokens(engine)):
+                engine.stall.forget()
                 await self.list_models(engine)
         elif was_up is not True:
             await self.list_models(engine)  # marks it
@@ -131,28 +120,21 @@ class Upstreams:
             return None
 
     async def check_stalls(self) -> None:
-        """A hung EngineCore still answers /health and /metrics from its API server, so hangs are told by
-        requests: an engine that has requests waiting and made no progress (no response bytes, token counters
-        unchanged) for stall_s is marked down, its waiting requests answered 503 engine_unavailable at once, and
-        new ones too, until its counters move or it goes away (its launcher's watchdog restarts it)."""
+        """An engine whose StallDetector says its waiting requests stalled is marked down, its waiting requests
+        answered 503 engine_unavailable at once, and new ones too, until its counters move or it goes away (its
+        launcher's watchdog restarts it)."""
         if not self.stall_s:
             return
-        now = time.monotonic()
-        busy = [e for e in self.engines.values() if e.up and e.inflight]
-        # Counters read at most 5 times per stall window per busy engine, and only once it is quiet.
-        due = [e for e in busy if now - e.progress_at >= self.stall_s / 5 and now - e.tokens_at >= self.stall_s / 5]
+        busy = [e for e in self.engines.values() if e.up and e.stall.inflight]
+        due = [e for e in busy if e.stall.counters_due()]
         for engine, tokens in zip(due, await asyncio.gather(*(self.read_tokens(e) for e in due))):
-            engine.tokens_at = time.monotonic()
-            if tokens is not None and tokens != engine.tokens:
-                engine.tokens, engine.progress_at = tokens, engine.tokens_at
+            engine.stall.counters(tokens)
         for engine in busy:
-            quiet = time.monotonic() - engine.progress_at
-            if engine.up and engine.inflight and quiet >= self.stall_s:
-                engine.hung_tokens = engine.tokens if engine.tokens is not None else -1.0
-                self._mark(engine, False, f"hung: {engine.inflight} request(s) waiting, no progress for {quiet:.0f}s "
-                                          "(MMCPU_STALL_S)")
+            if engine.up and (quiet := engine.stall.stalled()) is not None:
+                self._mark(engine, False, f"hung: {engine.stall.inflight} request(s) waiting, no progress for "
+                                          f"{quiet:.0f}s (MMCPU_STALL_S)")
                 self.metrics.upstream_errors.labels(engine.name, "stall").inc()
-                engine.hung.set()
+                engine.stall.hang()
 
     # --- models -------------------------------------------------------------------------------------
     async def list_models(self, engine: Engine) -> None:
@@ -233,20 +215,15 @@ class Upstreams:
             request.method, engine.url + request.url.path, params=request.query_params, headers=headers,
             content=content,
         )
-        if engine.inflight == 0:
-            engine.progress_at = time.monotonic()  # waiting starts now, not at the last request's end
-        engine.inflight += 1  # waiting for the response's headers (a hung engine never sends them)
-        try:
+        with engine.stall.waiting():  # for the response's headers (a hung engine never sends them)
             response = await self._send_unless_hung(engine, upstream)
-        finally:
-            engine.inflight -= 1
-        engine.progress_at = time.monotonic()
+        engine.stall.progressed()
         return self._respond(engine, response)
 
     async def _send_unless_hung(self, engine: Engine, upstream: httpx.Request) -> httpx.Response:
         """client.send, given up (503) as soon as the engine is marked hung."""
         send = asyncio.ensure_future(self.client.send(upstream, stream=True))
-        hung = asyncio.ensure_future(engine.hung.wait())
+        hung = asyncio.ensure_future(engine.stall.hung.wait())
         try:
             await asyncio.wait({send, hung}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -292,7 +269,7 @@ class Upstreams:
         # aiter_raw yields each chunk as it comes off the socket: SSE events are not held back.
         try:
             async for chunk in response.aiter_raw():
-                engine.progress_at = time.monotonic()
+                engine.stall.progressed()
                 yield chunk
         except httpx.HTTPError as exc:
             # Headers are already sent: the only honest signal left is to abort the connection.
