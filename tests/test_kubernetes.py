@@ -218,8 +218,7 @@ MUTATIONS = [
     Mutation("short grace", "graceful_termination",
              lambda o: pod(o, "audio").update(terminationGracePeriodSeconds=30)),
     Mutation("no vLLM drain", "graceful_termination",
-             lambda o: [ctr(o, "vision")["env"].remove(env_item(o, "vision", "MMCPU_EXTRA_ARGS")),
-                        add_env(o, "vision", "MMCPU_DRAIN_S", "0")]),
+             lambda o: add_env(o, "vision", "MMCPU_DRAIN_S", "0")),
     Mutation("tiny vLLM drain", "graceful_termination", lambda o: add_env(o, "audio", "MMCPU_DRAIN_S", "5")),
     Mutation("drain longer than grace", "graceful_termination",
              lambda o: config_map(o).update(MMCPU_DRAIN_S="300")),
@@ -369,6 +368,7 @@ def test_engine_environment_is_what_the_launcher_builds(monkeypatch):
     assert (shared["VLLM_CPU_OMP_THREADS_BIND"], shared["OMP_NUM_THREADS"]) == ("nobind", "2")
     assert argv[argv.index("--model") + 1] == "/models/whisper-tiny.en"  # from the generated ConfigMap
     assert k8s.shutdown_timeout(argv) == 120
+    assert argv.count("--shutdown-timeout") == 1  # from the launcher only (MMCPU_DRAIN_S), not restated
 
 
 def test_env_expansion_follows_the_kubelet():
