@@ -32,7 +32,6 @@ import tempfile
 import time
 from collections.abc import Callable
 import json
-import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +39,7 @@ from pathlib import Path
 import openai
 
 from mmcpu.dev import speech
+from mmcpu.dev.bench.stats import percentile
 from mmcpu.dev.checks import WER_LIMIT, CheckFailed, expect_client_error, subtitle_text
 from mmcpu.config import get_settings
 from mmcpu.launch import served_name
@@ -264,10 +264,10 @@ def read_load(output: str) -> tuple[list[dict], dict | None]:
     return records, summary
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0.0
+def seconds_at(values: list[float], q: float) -> float:
+    """The q-th percentile of latencies as the summary prints it (the bench's definition; 0 for no values)."""
+    found = percentile(values, q)
+    return 0.0 if found is None else round(found, 2)
 
 
 def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = None,
@@ -341,15 +341,14 @@ def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = 
     ok = [r for r in records if r["ok"]]
     lat = [r["t1"] - r["t0"] for r in ok]
     summary = {"requests": n, "concurrency": concurrency, "failures": n - len(ok), "wall_s": round(wall, 1),
-               "p50_s": round(percentile(lat, 50), 2), "p95_s": round(percentile(lat, 95), 2)}
+               "p50_s": seconds_at(lat, 50), "p95_s": seconds_at(lat, 95)}
     for kind in ("audio", "vision"):
         for sampling in (False, True):
             part = [r for r in records if r["kind"] == kind and r["sampling"] == sampling]
             part_lat = [r["t1"] - r["t0"] for r in part if r["ok"]]
             label = f"{kind}{'-sampling' if sampling else ''}"
             summary[label] = {"n": len(part), "failures": sum(not r["ok"] for r in part),
-                              "p50_s": round(percentile(part_lat, 50), 2),
-                              "p95_s": round(percentile(part_lat, 95), 2)}
+                              "p50_s": seconds_at(part_lat, 50), "p95_s": seconds_at(part_lat, 95)}
     print(f"{LOAD_SUMMARY}{json.dumps(summary)}", flush=True)
     return summary["failures"] == 0
 
