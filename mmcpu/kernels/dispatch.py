@@ -55,6 +55,7 @@ NATIVE_MODULES = (
     "mmcpu.kernels.sample.prompt_logprob",
     "mmcpu.kernels.sample.output",
     "mmcpu.kernels.sample.trace_replay",
+    "mmcpu.kernels.sample.thinking_budget",
     "mmcpu.kernels.topk_topp",
 )
 

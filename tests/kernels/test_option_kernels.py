@@ -10,7 +10,7 @@ import torch
 from diff import Launch, differential, pointer_table, run_native
 
 from vllm.v1.worker.gpu.model_states import mamba_hybrid, prompt_embeds
-from vllm.v1.worker.gpu.sample import output, trace_replay
+from vllm.v1.worker.gpu.sample import output, thinking_budget, trace_replay
 
 
 def _ri(g, lo, hi, shape=(), dtype=torch.int32):
@@ -114,3 +114,65 @@ def test_apply_prompt_embeds(dtype):
     case, before = make(0), make(0).watch["inputs"]
     run_native(prompt_embeds._apply_prompt_embeds_kernel, case)
     assert not torch.equal(case.watch["inputs"], before)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Thinking budget (a reasoning parser and thinking_token_budget): markers drawn from a 3-token alphabet so that
+# they occur often, in the committed tokens and in this step's drafts.
+
+
+def _thinking_world(g, m: int, L: int, lens: tuple[int, int, int]):
+    start, natural, end = (_ri(g, 0, 3, (n,)) for n in lens)
+    tokens = _ri(g, 0, 3, (m, L + 5))
+    total = _ri(g, 0, L, (m,))
+    budget = _ri(g, -1, 6, (m,))
+    c_start, c_end, c_scan = _ri(g, -1, L, (m,)), _ri(g, -1, L, (m,)), _ri(g, 0, L + 3, (m,))
+    cold = torch.rand(m, generator=g) < 0.4
+    c_start[cold], c_end[cold], c_scan[cold] = -1, -1, 0
+    return dict(start=start, natural=natural, end=end, tokens=tokens, total=total, budget=budget, c_start=c_start,
+                c_end=c_end, c_scan=c_scan)
+
+
+@pytest.mark.parametrize("lens,block", [((1, 1, 1), 1024), ((2, 1, 3), 8), ((3, 2, 2), 4)])
+def test_update_committed_marker_cache(lens, block):
+    def make(seed: int) -> Launch:
+        g = torch.Generator().manual_seed(seed)
+        m = 7
+        w = _thinking_world(g, m, 40, lens)
+        req_ids = torch.randperm(m, generator=g)[:int(_ri(g, 1, m + 1))].to(torch.int32)
+        args = (req_ids, w["budget"], w["tokens"], w["tokens"].stride(0), w["total"], w["c_start"], w["c_end"],
+                w["c_scan"], w["start"], w["natural"])
+        return Launch(grid=(req_ids.numel(),), args=args, watch={**w, "req_ids": req_ids},
+                      kwargs={"START_LEN": lens[0], "NATURAL_END_LEN": lens[1], "MAX_LEN": max(lens[:2]),
+                              "BLOCK": block})
+
+    assert differential(thinking_budget._update_committed_marker_cache_kernel, make, range(8)) == 8
+
+
+@pytest.mark.parametrize("lens", [(1, 1, 1), (2, 1, 3), (3, 2, 2)])
+def test_thinking_budget(lens):
+    forced = {"n": 0}
+
+    def make(seed: int) -> Launch:
+        g = torch.Generator().manual_seed(seed)
+        m, vocab = 6, 50
+        w = _thinking_world(g, m, 30, lens)
+        req = torch.randperm(m, generator=g)[:int(_ri(g, 1, m + 1))]
+        drafts = _ri(g, 1, 4, (req.numel(),))
+        mapping = req.repeat_interleave(drafts).to(torch.int32)
+        local = torch.cat([torch.arange(int(d)) for d in drafts]).to(torch.int32)
+        input_ids = _ri(g, 0, 3, (mapping.numel() + 1,))
+        logits = torch.randn(mapping.numel(), vocab + 2, generator=g)
+        w["end"] = w["end"] + 3 * torch.arange(len(w["end"]), dtype=torch.int32)  # distinct forced ids
+        args = (logits, logits.stride(0), mapping, w["budget"], w["tokens"], w["tokens"].stride(0), w["total"],
+                input_ids, local, w["c_start"], w["c_end"], w["start"], w["natural"], w["end"])
+        return Launch(grid=(mapping.numel(),), args=args,
+                      watch={**w, "logits": logits, "mapping": mapping, "local": local, "input_ids": input_ids},
+                      kwargs={"START_LEN": lens[0], "NATURAL_END_LEN": lens[1], "END_LEN": lens[2]})
+
+    assert differential(thinking_budget._thinking_budget_kernel, make, range(10)) == 10
+    for seed in range(10):
+        case = make(seed)
+        run_native(thinking_budget._thinking_budget_kernel, case)
+        forced["n"] += int((case.watch["logits"] == 1.0e9).sum())
+    assert forced["n"] > 0  # the cases reach the forcing
