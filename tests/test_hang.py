@@ -168,7 +168,7 @@ def test_healthcheck_trusts_a_fresh_watchdog_pass(engines, tmp_path, monkeypatch
     health.record_watchdog_pass(engine.port)
     assert health.probe_engine("vision", engine.port, 5, 0.5, fresh_s=30).startswith("ok (launcher watchdog")
     assert engine.state.posts == 0
-    (tmp_path / f"mmcpu-watchdog-{engine.port}.json").write_text(json.dumps({"time": time.time() - 60}))
+    health.watchdog_file(engine.port).write_text(json.dumps({"time": time.time() - 60}))
     with pytest.raises(health.Unhealthy):  # stale: it checks by itself
         health.probe_engine("vision", engine.port, 5, 0.5, fresh_s=30)
 
