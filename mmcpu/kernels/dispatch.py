@@ -56,6 +56,7 @@ NATIVE_MODULES = (
     "mmcpu.kernels.sample.output",
     "mmcpu.kernels.sample.trace_replay",
     "mmcpu.kernels.sample.thinking_budget",
+    "mmcpu.kernels.sample.batch_shard",
     "mmcpu.kernels.topk_topp",
 )
 

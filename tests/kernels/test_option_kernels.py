@@ -10,7 +10,7 @@ import torch
 from diff import Launch, differential, pointer_table, run_native
 
 from vllm.v1.worker.gpu.model_states import mamba_hybrid, prompt_embeds
-from vllm.v1.worker.gpu.sample import output, thinking_budget, trace_replay
+from vllm.v1.worker.gpu.sample import batch_shard, output, thinking_budget, trace_replay
 
 
 def _ri(g, lo, hi, shape=(), dtype=torch.int32):
@@ -176,3 +176,123 @@ def test_thinking_budget(lens):
         run_native(thinking_budget._thinking_budget_kernel, case)
         forced["n"] += int((case.watch["logits"] == 1.0e9).sum())
     assert forced["n"] > 0  # the cases reach the forcing
+
+
+# --------------------------------------------------------------------------------------------------------
+# Batch-sharded sampling (tensor parallelism): the plan of one rank, and the pack / unpack around the all-gathers.
+
+
+def _shard_batch(g, tp: int):
+    num_reqs = int(_ri(g, 1, 9))
+    idx = torch.randperm(16, generator=g)[:num_reqs].to(torch.int32)
+    per_req = _ri(g, 1, 4, (num_reqs,))
+    cu = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    cu[1:] = per_req.cumsum(0)
+    qlen = per_req + _ri(g, 0, 5, (num_reqs,))
+    qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    qsl[1:] = qlen.cumsum(0)
+    owners = idx.long() % tp
+    per_rank = torch.bincount(owners, minlength=tp)
+    logits_per_rank = torch.zeros(tp, dtype=torch.int64).index_add_(0, owners, per_req.long())
+    return num_reqs, idx, cu, qsl, per_req, owners, per_rank, logits_per_rank
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_build_shard_plan(tp):
+    def make(seed: int) -> Launch:
+        g = torch.Generator().manual_seed(seed)
+        num_reqs, idx, cu, qsl, per_req, owners, per_rank, logits_per_rank = _shard_batch(g, tp)
+        rank = int(_ri(g, 0, tp))
+        n_logits = int(cu[-1])
+        seq_lens = _ri(g, 1, 100, (num_reqs,))
+        local_n, local_logits = int(per_rank[rank]), int(logits_per_rank[rank])
+        out = {"sorted": _ri(g, -9, 0, (n_logits,), torch.int64), "src": _ri(g, -9, 0, (num_reqs,), torch.int64),
+               "l_idx": _ri(g, -9, 0, (local_n + 1,)), "l_cu": _ri(g, -9, 0, (local_n + 2,)),
+               "l_logits": _ri(g, -9, 0, (local_logits + 1,), torch.int64),
+               "l_exp": _ri(g, -9, 0, (local_logits + 1,)), "l_pos": _ri(g, -9, 0, (local_logits + 1,)),
+               "l_seq": _ri(g, -9, 0, (local_n + 1,))}
+        args = (idx, cu, qsl, seq_lens, *out.values(), num_reqs, int(logits_per_rank[:rank].sum()),
+                int(per_rank.max()))
+        return Launch(grid=(num_reqs,), args=args,
+                      kwargs={"TP_SIZE": tp, "TP_RANK": rank, "PADDED_NUM_REQS": 16, "PADDED_NUM_LOGITS_PER_REQ": 4},
+                      watch={**out, "idx": idx, "cu": cu, "qsl": qsl, "seq": seq_lens})
+
+    assert differential(batch_shard._build_shard_plan_kernel, make, range(8)) == 8
+
+
+@pytest.mark.parametrize("nans", [False, True])
+def test_pack_and_unpack_sampler_output(nans):
+    def make_pack(seed: int) -> Launch:
+        g = torch.Generator().manual_seed(seed)
+        n, mx = int(_ri(g, 1, 6)), int(_ri(g, 1, 4))
+        src_cols = int(_ri(g, 1, mx + 2))
+        sampled = _ri(g, 0, 1000, (n, src_cols + 1), torch.int64)
+        ns, nr = _ri(g, 0, 4, (n,)), _ri(g, 0, 3, (n,))
+        per = _ri(g, 1, 5, (n,))
+        cu = torch.zeros(n + 1, dtype=torch.int32)
+        cu[1:] = per.cumsum(0)
+        nan_counts = _ri(g, 0, 3, (int(cu[-1]),))
+        packed = _ri(g, -9, 0, (n + 1, mx + 3), torch.int64)
+        watch = {"packed": packed, "sampled": sampled, "ns": ns, "nr": nr, "cu": cu, "nan_counts": nan_counts}
+        return Launch(grid=(n,), args=(packed, packed.stride(0), sampled, sampled.stride(0), ns, nr,
+                                       nan_counts if nans else None, cu if nans else None, mx, min(src_cols, mx)),
+                      kwargs={"BLOCK_SIZE": 4}, watch=watch)
+
+    def make_unpack(seed: int) -> Launch:
+        g = torch.Generator().manual_seed(seed)
+        rows, mx = int(_ri(g, 2, 8)), int(_ri(g, 1, 4))
+        n = int(_ri(g, 1, rows + 1))
+        gathered = _ri(g, -2**40, 2**40, (rows, mx + 3), torch.int64)  # counts past int32: the cast wraps
+        src = torch.randperm(rows, generator=g)[:n].to(torch.int64)
+        out = {"sampled": _ri(g, -9, 0, (n * mx + 2,), torch.int64), "ns": _ri(g, -9, 0, (n + 1,)),
+               "nr": _ri(g, -9, 0, (n + 1,)), "nans": _ri(g, -9, 0, (n + 1,))}
+        return Launch(grid=(n,), args=(gathered, gathered.stride(0), src, out["sampled"], out["ns"], out["nr"],
+                                       out["nans"] if nans else None, mx),
+                      kwargs={"BLOCK_SIZE": 4}, watch={**out, "gathered": gathered, "src": src})
+
+    assert differential(batch_shard._pack_sampler_output_kernel, make_pack, range(8)) == 8
+    assert differential(batch_shard._unpack_gathered_output_kernel, make_unpack, range(8)) == 8
+
+
+def test_pack_and_unpack_logprobs():
+    def make_pack(seed: int) -> Launch:
+        g = torch.Generator().manual_seed(seed)
+        n, mx = int(_ri(g, 1, 5)), int(_ri(g, 1, 4))
+        per = _ri(g, 0, mx + 1, (n,))
+        cu = torch.zeros(n + 1, dtype=torch.int32)
+        cu[1:] = per.cumsum(0)
+        rows = int(cu[-1]) + 1
+        ncols, src_cols = int(_ri(g, 1, 6)), int(_ri(g, 1, 6))
+        src_ids = _ri(g, 0, 1000, (rows, src_cols + 2), torch.int64)
+        src_lp = torch.randn(rows, src_cols + 1, generator=g)
+        ranks = _ri(g, 0, 50, (rows,), torch.int64)
+        send_ids = _ri(g, -9, 0, (n * mx + 1, ncols + 2), torch.int64)
+        send_lp = torch.randn(n * mx + 1, ncols + 1, generator=g)
+        block = 1 << (ncols - 1).bit_length()
+        watch = {"send_ids": send_ids, "send_lp": send_lp, "src_ids": src_ids, "src_lp": src_lp, "ranks": ranks,
+                 "cu": cu}
+        return Launch(grid=(n, mx), args=(send_ids, send_ids.stride(0), send_lp, send_lp.stride(0), src_ids,
+                                          src_ids.stride(0), src_lp, src_lp.stride(0), ranks, cu, mx, ncols,
+                                          src_cols),
+                      kwargs={"BLOCK_SIZE": block}, watch=watch)
+
+    def make_unpack(seed: int) -> Launch:
+        g = torch.Generator().manual_seed(seed)
+        n, mx, ncols = int(_ri(g, 1, 5)), int(_ri(g, 1, 4)), int(_ri(g, 1, 6))
+        per = _ri(g, 0, mx + 1, (n,))
+        cu = torch.zeros(n + 1, dtype=torch.int32)
+        cu[1:] = per.cumsum(0)
+        ranks_rows = n + int(_ri(g, 0, 3))
+        src = torch.randperm(ranks_rows, generator=g)[:n].to(torch.int64)
+        g_ids = _ri(g, 0, 1000, (ranks_rows * mx, ncols + 2), torch.int64)
+        g_lp = torch.randn(ranks_rows * mx, ncols + 1, generator=g)
+        rows = int(cu[-1]) + 1
+        out = {"ids": _ri(g, -9, 0, (rows * ncols,), torch.int64), "lp": torch.randn(rows * ncols, generator=g),
+               "ranks": _ri(g, -9, 0, (rows,), torch.int64)}
+        block = 1 << (ncols - 1).bit_length()
+        return Launch(grid=(n, mx), args=(g_ids, g_ids.stride(0), g_lp, g_lp.stride(0), src, cu, out["ids"],
+                                          out["lp"], out["ranks"], mx, ncols),
+                      kwargs={"BLOCK_SIZE": block}, watch={**out, "g_ids": g_ids, "g_lp": g_lp, "src": src, "cu": cu})
+
+    assert differential(batch_shard._pack_logprobs_kernel, make_pack, range(8)) == 8
+    assert differential(batch_shard._unpack_logprobs_kernel, make_unpack, range(8)) == 8
