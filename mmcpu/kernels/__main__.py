@@ -4,6 +4,11 @@ guard matches the installed vLLM, and will vLLM load the plugin that installs th
 Prints one line per problem on stdout (``module:kernel: reason``) and exits 2; on success one line on stderr and
 exit 0. Either way the kernels' result is kept for the engine's start (the stamp beside vLLM, when writable),
 unless the plugin's entry point is missing (then every start runs the check again, and refuses).
+
+With ``MMCPU_KERNELS=interpreter`` (how the proof line serves: its vLLM's kernels all run in Triton's interpreter)
+no native version is asked for, as at the engine's start (:func:`mmcpu.launch.kernels_preflight`): only the
+plugin's entry point is checked (in that mode the plugin fills the interpreter's gaps), the native guards are
+skipped, and no stamp is written (a native start must not read a result that was never checked).
 """
 
 from __future__ import annotations
@@ -27,8 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from mmcpu.config import Settings
     from mmcpu.kernels import check
 
+    if Settings().kernels == "interpreter":
+        plugin = check.plugin_problems()
+        for problem in plugin:
+            print(problem.line(), flush=True)
+        if plugin:
+            return 2
+        print("mmcpu.kernels check: MMCPU_KERNELS=interpreter: every MRV2 kernel runs in Triton's interpreter, no "
+              "native version checked (the plugin's entry point is registered)", file=sys.stderr)
+        return 0
     try:
         result = check.run()
         vdir = check.vllm_dir()

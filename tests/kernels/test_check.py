@@ -22,6 +22,12 @@ MIN_P = ("vllm.v1.worker.gpu.sample.min_p", "_min_p_kernel")
 BAD_WORDS = "vllm.v1.worker.gpu.sample.bad_words:_bad_words_kernel"
 
 
+@pytest.fixture(autouse=True)
+def native_mode(monkeypatch):
+    """The CLI checks native versions only in MMCPU_KERNELS=native (the default): whatever the caller's setting."""
+    monkeypatch.delenv("MMCPU_KERNELS", raising=False)
+
+
 @pytest.fixture
 def broken(monkeypatch):
     """Three kinds of problem: a stale guard (gumbel), no native version (min_p), a kernel nobody classified."""
@@ -169,3 +175,25 @@ def test_cli_fails_without_the_plugin_entry_point(fake_vllm, monkeypatch, capsys
     assert out == ["mmcpu.plugin:register: vllm.general_plugins entry point 'mmcpu' is missing: vLLM would not "
                    "install the native kernels (pip install mmcpu)"]
     assert check.read_stamp(fake_vllm) is None  # not stamped: the next start checks (and refuses) again
+
+
+def test_cli_in_interpreter_mode_checks_only_the_plugin(broken, fake_vllm, monkeypatch, capsys):
+    """MMCPU_KERNELS=interpreter (the proof line's mode): the stale / missing native versions do not matter, as at
+    the engine's start; the CLI passes, says why, and leaves no stamp a native start could take for a pass."""
+    import importlib.metadata
+
+    monkeypatch.setenv("MMCPU_KERNELS", "interpreter")
+    assert cli.main(["check"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and "MMCPU_KERNELS=interpreter" in err
+    assert check.read_stamp(fake_vllm) is None
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    assert cli.main(["check"]) == 2  # the plugin fills the interpreter's gaps: it must still be registered
+    assert capsys.readouterr().out.startswith("mmcpu.plugin:register: ")
+    monkeypatch.delenv("MMCPU_KERNELS")
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    # the entry points stay patched: native mode fails on them and on the kernels
+    assert cli.main(["check"]) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert {ln.split(": ")[0] for ln in lines} == set(broken) | {"mmcpu.plugin:register"}
