@@ -43,15 +43,28 @@ def test_vision_hard_input(llava_engine, case):
     _assert_case_then_alive(llava_engine, case, "vision")
 
 
-def test_rejected_image_is_not_left_cached_as_sent(llava_engine):
-    """patches/0013: a request rejected after rendering (temperature -1) with a never-seen image, then a good
-    request with that image: unpatched, the second one is HTTP 500 ('Expected a cached item for mm_hash')."""
+# Where a rendered request can still be refused: building its sampling parameters in chat serving (temperature),
+# or InputProcessor.process_inputs in AsyncLLM.add_request (bad words over vLLM's count limit, checked after
+# tokenizing them).
+REJECTED_AFTER_RENDERING = {
+    "sampling-params": ({"temperature": -1.0}, 4242),
+    "input-processor": ({"extra_body": {"bad_words": [f"w{i}" for i in range(200)]}}, 4243),
+}
+
+
+@pytest.mark.parametrize("where", list(REJECTED_AFTER_RENDERING))
+def test_rejected_image_is_not_left_cached_as_sent(llava_engine, where):
+    """patches/0013: a request rejected after rendering with a never-seen image, then a good request with that
+    image: unpatched, that good request is HTTP 500 (0.26.0: 'Expected a cached item for mm_hash', and every later
+    one too; 0.32.0: a 'Multi-modal cache miss' once, the one after is served). The client does not retry."""
     client = llava_engine.client()
-    fresh = test_image(4242)  # no other test sends this picture, so the rejected request is its first
+    assert client.max_retries == 0  # openai's default retries would hide the 500 behind a second request
+    bad_kwargs, seed = REJECTED_AFTER_RENDERING[where]
+    fresh = test_image(seed)  # no other test sends this picture, so the rejected request is its first
     bad = hard_inputs.OpenAICall("chat.completions.create",
-                                 image_chat_kwargs([fresh], model=llava_engine.name, temperature=-1.0))
-    status, _ = hard_inputs.send(bad, f"{llava_engine.base_url}/v1")
-    assert status == 400
+                                 {**image_chat_kwargs([fresh], model=llava_engine.name), **bad_kwargs})
+    status, body = hard_inputs.send(bad, f"{llava_engine.base_url}/v1")
+    assert status == 400, body
     answer = client.chat.completions.create(**image_chat_kwargs([fresh], model=llava_engine.name))
     assert answer.choices[0].message.content.strip()
 
