@@ -185,9 +185,11 @@ def launch_counts(log: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("engine_fixture", ["whisper_engine", "llava_engine"])
 def test_warm_up_ran_native_only(request, engine_fixture):
-    """The worker logs its launch counts after warm-up: all native, none interpreted."""
+    """The worker logs its launch counts once the model is ready (after warm-up): none interpreted. vLLM 0.32's CPU
+    worker skips the warm-up pass of an eager engine with an explicit KV-cache size (ours), so the first requests
+    make the first launches; every launch of the session is then counted by assert_native_then_stop."""
     engine = request.getfixturevalue(engine_fixture)
     counts = launch_counts(engine.log())
     assert counts, "no 'MRV2 kernel launches' line in the engine log (mmcpu.plugin not loaded by vLLM?)"
-    native, interpreted = counts[0]
-    assert native > 0 and interpreted == 0, counts
+    _native, interpreted = counts[0]
+    assert interpreted == 0, counts
