@@ -9,7 +9,8 @@
 #   make lock      regenerate the default line's requirements/vllm-<version>.lock from its venv
 #                  (make lock VENV=.cache/venv-$(VLLM_PROOF) VLLM_VERSION=$(VLLM_PROOF) for the proof line)
 #   make bench     benchmark vs faster-whisper and the V1 runner: mmcpu/dev/bench (scripts/bench.mk; docs/benchmarks.md)
-#   make settings-doc  regenerate README.md's settings table from mmcpu/config.py
+#   make settings-doc  regenerate docs/settings.md's settings table from mmcpu/config.py
+#   make patches-doc   regenerate docs/patches.md's patch table from the patches' headers and series
 #   make k8s-check render every Kubernetes overlay (or OVERLAYS=...), validate it offline, checkov + domain rules
 SHELL := /bin/bash
 include requirements/lines.env
@@ -63,3 +64,6 @@ k8s-check:
 
 settings-doc:
 	$(PY) -m mmcpu.dev.settings_doc
+
+patches-doc:
+	$(PY) -m mmcpu.dev.patches_doc

@@ -17,8 +17,9 @@ EngineCore with the uniproc executor, the worker with ``mp``; never the API serv
 - ``compile_or_warm_up_model``: then logs ``MRV2 kernel launches: N native, M interpreted (after warm-up)``;
 - ``shutdown``: logs the same ``(at shutdown)``, when vLLM's teardown order lets it.
 
-This replaces what patches/0008 did by editing ``cpu_worker.py``. A vLLM whose ``CPUWorker`` lacks one of these
-methods fails the worker's start with one line naming it, instead of serving with every kernel interpreted.
+Hooking these methods leaves ``cpu_worker.py`` unpatched, so a release that changes that file needs no rebase.
+A vLLM whose ``CPUWorker`` lacks one of these methods fails the worker's start with one line naming it, instead of
+serving with every kernel interpreted.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ SENTENCES = [
 # One passage per language for multilingual Whisper (tests/test_multilingual.py), spoken by espeak-ng's voice of
 # that language with its "m3" variant (``de+m3``) at PASSAGE_SPEED. Chosen by measurement on whisper-base (real
 # weights), because espeak-ng's non-English voices are poor: single short sentences, or the plain voices at other
-# rates, were often detected as another language (French and Spanish as Thai, Japanese or English; FACTS.md). For
+# rates, were often detected as another language (French and Spanish as Thai, Japanese or English). For
 # these passages the detection probability of the right language (transformers, same weights, among vLLM's 57
 # languages) was 0.94-0.98 for every rate from 110 to 130 words/min (German: 0.98 from 120 to 150).
 PASSAGE_SPEED = 120
