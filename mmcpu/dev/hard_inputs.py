@@ -58,6 +58,7 @@ class Case:
     build: Callable[[str], Request] = field(repr=False)  # served model name -> request
     status: int = 400
     why: str = ""
+    param: str | None = None  # when set, the error must name this parameter (OpenAI's error.param)
 
 
 class Result(NamedTuple):
@@ -124,6 +125,17 @@ def _multipart(fields: Callable[[str], dict[str, str]], files: dict | None = Non
     return lambda model: payloads.raw_multipart(TRANSCRIPTIONS, fields(model), files)
 
 
+def _stt_form(endpoint: str, extra: dict[str, str], **kwargs: Any) -> Callable[[str], Request]:
+    """A 1 s tone as raw multipart plus ``extra`` fields the typed client has no argument for (a stream on
+    translations, vLLM's stream options)."""
+
+    def build(model: str) -> Request:
+        data, files = payloads.audio_form(transcription_kwargs(payloads.audio_file(1.0), model=model, **kwargs))
+        return payloads.raw_multipart(endpoint, {**data, **extra}, files)
+
+    return build
+
+
 CASES: list[Case] = [
     # --- audio: /v1/audio/transcriptions (and translations) on the Whisper engine -------------------------
     Case("audio-too-long", TRANSCRIPTIONS, "audio", _stt(payloads.audio_file(MAX_AUDIO_S + 1, "flac", tone_hz=None), "flac"),
@@ -148,7 +160,20 @@ CASES: list[Case] = [
          lambda model: OpenAICall("audio.transcriptions.create", {
              **transcription_kwargs(payloads.audio_file(1.0), model=model, response_format="verbose_json"),
              "stream": True}),
-         why="verbose_json cannot stream (vLLM) - must say so, not fail mid-stream"),
+         param="response_format", why="verbose_json cannot stream (vLLM) - must say so, not fail mid-stream"),
+    # A stream is OpenAI's transcript.text.* events, text only (patches/0019): the other formats refuse it.
+    *[Case(f"stream-{fmt.replace('_', '-')}", TRANSCRIPTIONS, "audio",
+           _stt(payloads.audio_file(1.0), response_format=fmt, stream=True), param="response_format",
+           why=f"stream with response_format={fmt}: no streamed form (events carry text only)")
+      for fmt in ("srt", "vtt", "diarized_json")],
+    Case("translation-stream-srt", TRANSLATIONS, "audio", _stt_form(TRANSLATIONS, {"stream": "true"}, response_format="srt"),
+         param="response_format", why="a translation stream with srt: refused like a transcription's"),
+    Case("stream-options-without-stream", TRANSCRIPTIONS, "audio",
+         _stt_form(TRANSCRIPTIONS, {"stream_include_usage": "true"}), param="stream_include_usage",
+         why="vLLM's stream_include_usage without stream=true"),
+    Case("stream-with-beam-search", TRANSCRIPTIONS, "audio",
+         _stt_form(TRANSCRIPTIONS, {"stream": "true", "use_beam_search": "true"}),
+         why="vLLM's use_beam_search cannot stream"),
     Case("temperature-above-range-audio", TRANSCRIPTIONS, "audio", _stt(payloads.audio_file(1.0), temperature=5.0),
          why="temperature 5 (OpenAI: 0..1 for audio)"),
     Case("temperature-negative-audio", TRANSCRIPTIONS, "audio", _stt(payloads.audio_file(1.0), temperature=-1.0),
@@ -297,6 +322,8 @@ def judge(case: Case, status: int | None, body: Any) -> tuple[bool, str]:
             error = openai_error_body(body, strict=True)
         except CheckFailed as exc:
             return False, str(exc)
+        if case.param is not None and error["param"] != case.param:
+            return False, f"expected error.param {case.param!r}, got {error['param']!r}: {error['message'][:200]}"
         return True, error["message"][:200]
     return True, str(body)[:120]
 

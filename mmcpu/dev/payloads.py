@@ -30,12 +30,13 @@ def transcription_kwargs(
     language: str | None = None,
     response_format: str = "json",
     filename: str = "speech.wav",
-    temperature: float = 0.0,
+    temperature: float | None = 0.0,
     content_type: str = "audio/wav",
     prompt: str | None = None,
     stream: bool | None = None,
 ) -> dict[str, Any]:
-    """Arguments for ``client.audio.transcriptions.create``; ``None`` (language, prompt, stream) leaves a field out."""
+    """Arguments for ``client.audio.transcriptions.create``; ``None`` (language, temperature, prompt, stream) leaves
+    a field out (no temperature: OpenAI's default)."""
     data = audio.read_bytes() if isinstance(audio, Path) else audio
     if isinstance(audio, Path):
         filename = audio.name
@@ -43,8 +44,9 @@ def transcription_kwargs(
         "model": model,
         "file": (filename, data, content_type),
         "response_format": response_format,
-        "temperature": temperature,
     }
+    if temperature is not None:
+        kwargs["temperature"] = temperature
     if language is not None:
         kwargs["language"] = language
     if prompt is not None:
@@ -52,6 +54,18 @@ def transcription_kwargs(
     if stream is not None:
         kwargs["stream"] = stream
     return kwargs
+
+
+def audio_form(kwargs: dict[str, Any]) -> tuple[dict[str, str], dict[str, tuple[str, bytes, str]]]:
+    """``transcription_kwargs`` as httpx's ``data=`` and ``files=``, for what the typed client cannot send (a stream
+    on /v1/audio/translations, vLLM's extra fields) or cannot show (the raw server-sent events). Values are sent as
+    the openai client sends form fields: booleans lower-case, numbers as text."""
+    data = {
+        name: (str(value).lower() if isinstance(value, bool) else str(value))
+        for name, value in kwargs.items()
+        if name != "file"
+    }
+    return data, {"file": kwargs["file"]}
 
 
 def test_image(seed: int, size: int = 96) -> Image.Image:
