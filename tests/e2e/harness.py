@@ -25,6 +25,7 @@ import psutil
 from mmcpu.dev.checks import CheckFailed, openai_error_body
 from mmcpu.dev.payloads import audio_file, image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu.dev.servers import free_port
+from mmcpu.dev.shell import human
 from mmcpu.launch import served_name
 from mmcpu.proc import stop_group, tree, tree_rss
 
@@ -205,15 +206,6 @@ def cgroup_peak_bytes(container_id: str) -> int:
     """The kernel's peak of the container's memory since its last start (what mem_limit is compared with)."""
     path = cgroup_file(container_id, "memory.max_usage_in_bytes") or cgroup_file(container_id, "memory.peak")
     return int(path.read_text()) if path else 0
-
-
-def human(n: float) -> str:
-    """Bytes as numfmt --to=iec-i --suffix=B --format=%.2f prints them (the figures' unit so far)."""
-    for unit in ("", "Ki", "Mi", "Gi"):
-        if n < 1024 or unit == "Gi":
-            return f"{n:.2f}{unit}B" if unit else f"{n:.0f}B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class Figures:
