@@ -289,11 +289,13 @@ def install(mode: str = "native", stats_path: Path | None = None) -> bool:
         return False
     if mode == "native":
         load_native_modules()
-    gaps.apply()  # whatever runs in the interpreter (all in that mode, a stale kernel in native) can sample
     if _mode != mode:
         _decisions.clear()
     _mode = mode
     if _original_run is None:
+        # Whatever runs in the interpreter (all in that mode, a stale kernel in native) can sample. Once per
+        # installation: each apply is undone by one restore (uninstall's).
+        gaps.apply()
         _original_run = InterpretedFunction.run
         InterpretedFunction.run = _run
     from mmcpu import cpu

