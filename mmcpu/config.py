@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, description="--max-model-len; None = the model's own")
     dtype: str | None = Field(
         None, description="vLLM --dtype of every engine, overriding the per-CPU default (mmcpu/cpu_defaults.json, "
-        "measured per ISA class: `python -m mmcpu.dev.bench defaults`)",
+        "measured per ISA class: `python -m mmcpu_dev.bench defaults`)",
         json_schema_extra={"doc_default": "per role and CPU: `mmcpu/cpu_defaults.json`"},
     )
     quantization: Literal["auto", "none", "int8"] = Field(

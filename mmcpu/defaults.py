@@ -3,8 +3,8 @@
 Machines of one kind come with different CPUs, and what is fastest differs between them (bf16 is emulated without
 avx512_bf16/AMX; int8 GEMMs gain little on AVX2). ``cpu_defaults.json`` holds one row per ISA class
 (:attr:`mmcpu.cpu.CpuInfo.isa`): the audio and vision roles' choice, and where it came from. A measured row is
-written by ``python -m mmcpu.dev.bench defaults`` on a CPU of that class, with every candidate's figures and the
-rule that picked the winner (:func:`pick`); a row nobody could measure says so and why it holds what it holds.
+written by ``python -m mmcpu_dev.bench defaults`` on a CPU of that class, with every candidate's figures and the
+rule that picked the winner (``mmcpu_dev.bench.rule``; the runtime only reads the table); a row nobody could measure says so and why it holds what it holds.
 
 Settings override the table: ``MMCPU_DTYPE`` (every engine) and ``MMCPU_QUANTIZATION`` (Whisper engines: ``none``
 serves the float checkpoint, ``int8`` the int8 one beside it, ``<model>-int8``, made by ``mmcpu-quantize``).
@@ -13,7 +13,6 @@ serves the float checkpoint, ``int8`` the int8 one beside it, ``<model>-int8``, 
 from __future__ import annotations
 
 import json
-import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -27,9 +26,6 @@ ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "baseline")
 BF16_ISAS = ("amx", "avx512_bf16")  # bf16 in hardware; elsewhere it is emulated (whisper-base 4.3x slower on AVX2)
 Quantization = Literal["none", "int8"]
 INT8_SUFFIX = "-int8"  # mmcpu-quantize's DST for the image's and the README's checkpoints: <model>-int8
-# The audio role may trade this much WER (absolute) against float32 for speed (issue 17's bound).
-WER_SLACK = 0.02
-TIE = 0.05  # throughput differences this small are within a 2-CPU machine's noise (docs/bench/host-work.md: ±4 %)
 
 
 class Choice(BaseModel):
@@ -44,11 +40,6 @@ class Candidate(BaseModel):
     throughput: dict[int, float]  # concurrency -> audio-s/s (audio) or requests/s (vision)
     wer: float | None = None  # audio only
 
-    def score(self) -> float:
-        """Geometric mean over the levels: one fast level must not hide a slow one."""
-        vals = list(self.throughput.values())
-        return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals and min(vals) > 0 else 0.0
-
 
 class Row(BaseModel):
     audio: Choice
@@ -62,28 +53,6 @@ class Row(BaseModel):
 class Table(BaseModel):
     rule: str
     rows: dict[str, Row]
-
-
-def memory_rank(choice: Choice) -> tuple[int, int]:
-    """Smaller first: bytes per weight, then per activation / KV cache entry (int8 + bf16 < bf16 < int8 + float32
-    < float32)."""
-    act = 4 if choice.dtype == "float32" else 2
-    return (1 if choice.quantization == "int8" else act), act
-
-
-def pick(role: str, candidates: list[Candidate]) -> Choice:
-    """The rule of every measured row. Audio: only candidates whose WER is within WER_SLACK of float32's
-    unquantised (the reference); vision: all (its fixture has random weights: no quality to compare). Then the
-    fastest, except that a candidate within TIE of the fastest and lighter in memory wins: a real model served in
-    bf16 needs half the weights and KV cache (llava-smollm2's 8k context does not fit the default 0.25 GiB KV cache
-    in float32)."""
-    if role == "audio":
-        ref = next(c for c in candidates if c.choice == Choice(dtype="float32"))
-        candidates = [c for c in candidates if c.wer is not None and ref.wer is not None
-                      and c.wer <= ref.wer + WER_SLACK + 1e-9]  # fmt: skip
-    best = max(c.score() for c in candidates)
-    near = [c for c in candidates if c.score() >= best * (1 - TIE)]
-    return min(near, key=lambda c: (memory_rank(c.choice), -c.score())).choice
 
 
 @lru_cache(maxsize=1)
@@ -138,12 +107,16 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
     source = f"per-CPU default for isa {isa}" + (f" (measured on {r.measured_on}, {r.date})" if r.measured_on
                                                  else " (not measured on this kind of CPU)")  # fmt: skip
     dwhy = "dtype from MMCPU_DTYPE" if dtype else "dtype: " + source
+    dtype_from_row = not dtype
     table_dtype = choice.dtype
     if interpreter and not dtype and table_dtype != "float32":
-        table_dtype, dwhy = "float32", f"dtype float32: MMCPU_KERNELS=interpreter (the table's {choice.dtype} is not possible there)"
+        table_dtype, dtype_from_row = "float32", False
+        dwhy = f"dtype float32: MMCPU_KERNELS=interpreter (the table's {choice.dtype} is not possible there)"
+    quant_from_row = False
     if quantization == "auto":
         wanted = choice.quantization if apply_table_quantization and speech else "none"
-        qwhy = "quantization: " + source if wanted == choice.quantization else "quantization: the model as given"
+        quant_from_row = wanted == choice.quantization
+        qwhy = "quantization: " + source if quant_from_row else "quantization: the model as given"
     else:
         wanted, qwhy = quantization, "quantization from MMCPU_QUANTIZATION"
     if wanted == "int8" and not speech:  # only an explicit int8 gets here ("auto" stays "none" for them)
@@ -153,7 +126,7 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
         if quantization == "none":
             raise Refused(f"MMCPU_QUANTIZATION=none, but {model} is itself a quantised checkpoint; serve its float "
                           "original instead")
-        wanted, qwhy = "int8", "quantization: the checkpoint is quantised"
+        wanted, qwhy, quant_from_row = "int8", "quantization: the checkpoint is quantised", False
     elif wanted == "int8":
         sibling = int8_sibling(model)
         if sibling is not None:
@@ -162,7 +135,8 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
             raise Refused(f"MMCPU_QUANTIZATION=int8, but there is no int8 checkpoint beside {model} "
                           f"(make one: mmcpu-quantize {model} {model}{INT8_SUFFIX})")
         else:
-            wanted, qwhy = "none", f"quantization none: the default is int8, but no {Path(model).name}{INT8_SUFFIX}"
-    both = dwhy == "dtype: " + source and qwhy == "quantization: " + source  # both from the row: say where once
-    why = "dtype and quantization: " + source if both else f"{dwhy}; {qwhy}"
+            wanted, quant_from_row = "none", False
+            qwhy = f"quantization none: the default is int8, but no {Path(model).name}{INT8_SUFFIX}"
+    # both from the row: say where once
+    why = "dtype and quantization: " + source if dtype_from_row and quant_from_row else f"{dwhy}; {qwhy}"
     return Resolved(model=served, dtype=dtype or table_dtype, quantization=wanted, why=why)

@@ -1,5 +1,5 @@
-# Benchmarks; included by the top Makefile (`-include scripts/bench.mk`). One package, mmcpu/dev/bench
-# (`python -m mmcpu.dev.bench MODE`); `make latency` (top Makefile) is its third mode.
+# Benchmarks; included by the top Makefile (`-include scripts/bench.mk`). One package, mmcpu_dev/bench
+# (`python -m mmcpu_dev.bench MODE`); `make latency` (top Makefile) is its third mode.
 #   make bench-venv   .cache/bench-venv from requirements-bench.txt (faster-whisper, matplotlib, py-spy),
 #                     apart from the runtime venv so its pins stay untouched
 #   make bench        mode full: the audio role's default (ours, MRV2) vs V1 vs the peers at their best
@@ -32,16 +32,16 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 	touch $@
 
 bench: models bench-venv
-	$(PY) -m mmcpu.dev.bench full --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
+	$(PY) -m mmcpu_dev.bench full --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
 
 bench-peers: models
-	$(PY) -m mmcpu.dev.bench peers --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
+	$(PY) -m mmcpu_dev.bench peers --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
 
 bench-lines: models bench-venv
-	$(PY) -m mmcpu.dev.bench lines --bench-venv $(BENCH_VENV) $(BENCH_ARGS)
+	$(PY) -m mmcpu_dev.bench lines --bench-venv $(BENCH_VENV) $(BENCH_ARGS)
 
 bench-quick: models bench-venv
-	$(PY) -m mmcpu.dev.bench quick --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
+	$(PY) -m mmcpu_dev.bench quick --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
 
 bench-defaults: models
-	$(PY) -m mmcpu.dev.bench defaults $(BENCH_ARGS)
+	$(PY) -m mmcpu_dev.bench defaults $(BENCH_ARGS)

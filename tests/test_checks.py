@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mmcpu.dev.checks import CheckFailed, openai_error_body, subtitle_text
-from mmcpu.dev import payloads
-from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev.checks import CheckFailed, openai_error_body, subtitle_text
+from mmcpu_dev import payloads
+from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 
 SRT = "1\n00:00:00,000 --> 00:00:02,500\nhello there\n\n2\n00:00:02,500 --> 00:00:03,000\nbye\n"
 VTT = "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nhello there\n"
@@ -98,7 +98,7 @@ def test_raw_multipart_is_parseable():
 
 
 def test_hard_input_catalogue():
-    from mmcpu.dev import hard_inputs
+    from mmcpu_dev import hard_inputs
 
     names = [c.name for c in hard_inputs.CASES]
     assert len(names) >= 15 and len(set(names)) == len(names)
@@ -114,7 +114,7 @@ def test_hard_input_catalogue():
 
 
 def test_hard_input_judge():
-    from mmcpu.dev import hard_inputs
+    from mmcpu_dev import hard_inputs
 
     case = hard_inputs.by_name("n-zero")
     good = {"error": {"message": "n must be at least 1", "type": "BadRequestError", "param": None, "code": 400}}

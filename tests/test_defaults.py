@@ -10,7 +10,8 @@ import pytest
 from mmcpu import cpu, defaults, launch
 from mmcpu.config import Settings, get_settings
 from mmcpu.defaults import Candidate, Choice, Refused, Row, Table
-from mmcpu.dev.fixtures import config_only
+from mmcpu_dev.bench import rule
+from mmcpu_dev.fixtures import config_only
 
 F32, BF16 = Choice(dtype="float32"), Choice(dtype="bfloat16")
 F32_INT8, BF16_INT8 = Choice(dtype="float32", quantization="int8"), Choice(dtype="bfloat16", quantization="int8")
@@ -41,7 +42,7 @@ def test_measured_rows_hold_what_their_own_measurements_pick():
         if isa not in defaults.BF16_ISAS:
             assert all("bf" not in c.choice.dtype and c.choice.dtype != "auto" for c in audio), isa
         for role in ("audio", "vision"):
-            assert defaults.pick(role, row.candidates[role]) == getattr(row, role), (isa, role)
+            assert rule.pick(role, row.candidates[role]) == getattr(row, role), (isa, role)
 
 
 def cand(choice: Choice, c1: float, c8: float, wer: float | None = None) -> Candidate:
@@ -50,17 +51,17 @@ def cand(choice: Choice, c1: float, c8: float, wer: float | None = None) -> Cand
 
 def test_pick_trades_at_most_the_wer_slack_for_speed():
     ref = cand(F32, 15, 20, wer=0.107)
-    assert defaults.pick("audio", [ref, cand(F32_INT8, 18, 24, wer=0.107 + 0.019)]) == F32_INT8
-    assert defaults.pick("audio", [ref, cand(F32_INT8, 18, 24, wer=0.107 + 0.021)]) == F32  # faster, too wrong
+    assert rule.pick("audio", [ref, cand(F32_INT8, 18, 24, wer=0.107 + 0.019)]) == F32_INT8
+    assert rule.pick("audio", [ref, cand(F32_INT8, 18, 24, wer=0.107 + 0.021)]) == F32  # faster, too wrong
     # the geometric mean: one fast level does not hide a slow one (3*30 < 15*20... per level: 0.2x and 1.5x)
-    assert defaults.pick("audio", [ref, cand(BF16, 3, 30, wer=0.1)]) == F32
-    assert defaults.pick("vision", [cand(F32, 10, 12), cand(Choice(dtype="auto"), 11, 13)]) == Choice(dtype="auto")
+    assert rule.pick("audio", [ref, cand(BF16, 3, 30, wer=0.1)]) == F32
+    assert rule.pick("vision", [cand(F32, 10, 12), cand(Choice(dtype="auto"), 11, 13)]) == Choice(dtype="auto")
     # within 5 % the lighter candidate wins (half the weights and KV cache), beyond it the faster
-    assert defaults.pick("vision", [cand(F32, 20, 63), cand(BF16, 21, 55.5)]) == BF16
-    assert defaults.pick("vision", [cand(F32, 20, 63), cand(BF16, 18, 50)]) == F32
-    assert defaults.pick("audio", [ref, cand(BF16, 33.8, 47.4, 0.107), cand(BF16_INT8, 32.8, 51.1, 0.107)]) == BF16_INT8
+    assert rule.pick("vision", [cand(F32, 20, 63), cand(BF16, 21, 55.5)]) == BF16
+    assert rule.pick("vision", [cand(F32, 20, 63), cand(BF16, 18, 50)]) == F32
+    assert rule.pick("audio", [ref, cand(BF16, 33.8, 47.4, 0.107), cand(BF16_INT8, 32.8, 51.1, 0.107)]) == BF16_INT8
     with pytest.raises(StopIteration):  # no float32 reference: nothing to hold the WER against
-        defaults.pick("audio", [cand(BF16, 3, 30, wer=0.1)])
+        rule.pick("audio", [cand(BF16, 3, 30, wer=0.1)])
 
 
 # --- what the launcher loads -------------------------------------------------------------------------------------

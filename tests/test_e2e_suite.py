@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from e2e.harness import docker_time, human
-from mmcpu.dev.smoke import LOAD_RECORD, LOAD_SUMMARY, read_load
+from mmcpu_dev.smoke import LOAD_RECORD, LOAD_SUMMARY, read_load
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "docker-e2e"

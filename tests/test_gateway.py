@@ -34,9 +34,9 @@ from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
 from mmcpu.gateway.routes.proxy import _ModelField
 from mmcpu.gateway.upstream import RECHECK_S
-from mmcpu.dev.payloads import image_chat_kwargs, transcription_kwargs
-from mmcpu.dev.payloads import test_image as make_image
-from mmcpu.dev.servers import ServedApp, wait_until_ok
+from mmcpu_dev.payloads import image_chat_kwargs, transcription_kwargs
+from mmcpu_dev.payloads import test_image as make_image
+from mmcpu_dev.servers import ServedApp, wait_until_ok
 
 AUDIO_MODEL = "whisper-test"
 VISION_MODEL = "llava-test"

@@ -7,12 +7,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmcpu.dev import speech
-from mmcpu.dev.checks import WER_LIMIT, expect_client_error, subtitle_text
+from mmcpu_dev import speech
+from mmcpu_dev.checks import WER_LIMIT, expect_client_error, subtitle_text
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
-from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.dev.servers import Engine, ServedApp
+from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev.servers import Engine, ServedApp
 
 pytestmark = pytest.mark.slow
 

@@ -190,7 +190,7 @@ def supervised_fake(tmp_path: Path, port: int, **settings: object) -> subprocess
 
 
 def free_port() -> int:
-    from mmcpu.dev.servers import free_port as free
+    from mmcpu_dev.servers import free_port as free
     return free()
 
 
@@ -287,7 +287,7 @@ def test_model_kind(tmp_path: Path) -> None:
 
 # --- gateway ----------------------------------------------------------------------------------------------------
 def test_gateway_503s_a_hung_engine_and_keeps_serving_the_other(engines) -> None:
-    from mmcpu.dev.servers import ServedApp
+    from mmcpu_dev.servers import ServedApp
     from mmcpu.gateway.app import create_app
 
     audio, vision = FakeEngine("audio-model"), FakeEngine("vision-model")
@@ -343,7 +343,7 @@ def test_gateway_503s_a_hung_engine_and_keeps_serving_the_other(engines) -> None
 
 
 def test_gateway_keeps_a_slow_busy_engine(engines) -> None:
-    from mmcpu.dev.servers import ServedApp
+    from mmcpu_dev.servers import ServedApp
     from mmcpu.gateway.app import create_app
 
     engine = FakeEngine("m")
@@ -424,7 +424,7 @@ def test_hang_real_engine_sigstop_detected_and_launcher_exits_1(tmp_path: Path, 
     """SIGSTOP of a real MRV2 EngineCore under ``mmcpu-serve``: the launcher's watchdog finds no progress within
     its bound, kills the engine's tree and exits 1 with one line saying why."""
     from mmcpu.config import VISION_LIMIT_ARGS
-    from mmcpu.dev.servers import Engine, ServedApp
+    from mmcpu_dev.servers import Engine, ServedApp
     from mmcpu.gateway.app import create_app
 
     interval, failures, probe_s = 2.0, 2, 5.0

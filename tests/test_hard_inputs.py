@@ -1,4 +1,4 @@
-"""Hard inputs (mmcpu.dev.hard_inputs) against the session's real MRV2 engines: each gets its 4xx in OpenAI's error
+"""Hard inputs (mmcpu_dev.hard_inputs) against the session's real MRV2 engines: each gets its 4xx in OpenAI's error
 schema, and the engine still serves a good request right after it. Plus verbose_json typed as OpenAI's schema."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import httpx
 import pytest
 from openai.types.audio import TranscriptionVerbose, TranslationVerbose
 
-from mmcpu.dev import hard_inputs, speech
-from mmcpu.dev.checks import WER_LIMIT
-from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev import hard_inputs, speech
+from mmcpu_dev.checks import WER_LIMIT
+from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 
 pytestmark = pytest.mark.slow
 

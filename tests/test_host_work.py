@@ -32,9 +32,9 @@ import torch
 
 from mmcpu import patchtool
 from mmcpu.config import REPO_ROOT
-from mmcpu.dev import lines
-from mmcpu.dev.payloads import transcription_kwargs
-from mmcpu.dev.servers import assert_native_then_stop, test_engine
+from mmcpu_dev import lines
+from mmcpu_dev.payloads import transcription_kwargs
+from mmcpu_dev.servers import assert_native_then_stop, test_engine
 
 PATCHES = REPO_ROOT / "patches"
 P_CLAMP = "0016-whisper-encoder-clamp-only-float16.patch"

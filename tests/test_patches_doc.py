@@ -7,7 +7,7 @@ import re
 import shutil
 
 from mmcpu.config import REPO_ROOT
-from mmcpu.dev import patches_doc
+from mmcpu_dev import patches_doc
 from mmcpu.patchtool import parse_patch
 
 PATCHES = REPO_ROOT / "patches"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mmcpu import patchtool
-from mmcpu.dev import lines, wheels
+from mmcpu_dev import lines, wheels
 from mmcpu.config import REPO_ROOT, get_settings
 
 PATCHES = REPO_ROOT / "patches"

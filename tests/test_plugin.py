@@ -25,7 +25,7 @@ import pytest
 import mmcpu.kernels
 from mmcpu import plugin
 from mmcpu.config import REPO_ROOT, get_settings
-from mmcpu.dev import wheels
+from mmcpu_dev import wheels
 
 WORKER_SRC = '''
 class CPUWorker:
@@ -195,7 +195,7 @@ def test_real_engine_samples_with_every_feature_natively(llava_engine):
     """One request per sampling feature on a real LLaVA engine (the session's; more in test_sampling.py): each
     answers, the seeded one reproduces, and the features' kernels ran natively, none in the interpreter
     (also checked for the whole session when the engine stops: servers.assert_native_then_stop)."""
-    from mmcpu.dev.payloads import image_chat_kwargs, test_image
+    from mmcpu_dev.payloads import image_chat_kwargs, test_image
 
     client = llava_engine.client()
 

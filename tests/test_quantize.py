@@ -15,10 +15,10 @@ from safetensors import safe_open
 
 from mmcpu import quantize
 from mmcpu.config import get_settings
-from mmcpu.dev import speech
-from mmcpu.dev.fixtures import whisper_int8
-from mmcpu.dev.payloads import transcription_kwargs
-from mmcpu.dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop
+from mmcpu_dev import speech
+from mmcpu_dev.fixtures import whisper_int8
+from mmcpu_dev.payloads import transcription_kwargs
+from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop
 
 SETTINGS = get_settings()
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,9 +17,9 @@ import pytest
 transformers = pytest.importorskip("transformers")  # the fixture needs the engine venv (.cache/venv)
 
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings  # noqa: E402
-from mmcpu.dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
-from mmcpu.dev.fixtures import qwen2_vl  # noqa: E402
-from mmcpu.dev.servers import MRV2_LOG_LINE, Engine, test_engine  # noqa: E402
+from mmcpu_dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
+from mmcpu_dev.fixtures import qwen2_vl  # noqa: E402
+from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, test_engine  # noqa: E402
 from PIL import Image  # noqa: E402
 
 slow = pytest.mark.slow
@@ -247,7 +247,7 @@ def v1_starting(qwen_model: Path, patched_vllm: Path, logs_dir: Path):
 
 @pytest.fixture(scope="module")
 def qwen_engine(qwen_model: Path, patched_vllm: Path, logs_dir: Path, v1_starting: _Starting):
-    from mmcpu.dev.servers import assert_native_then_stop
+    from mmcpu_dev.servers import assert_native_then_stop
 
     engine = test_engine(qwen_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS)  # the session's small mm cache
     engine.start()

@@ -16,10 +16,10 @@ import openai
 import pytest
 
 from mmcpu.config import VISION_LIMIT_ARGS
-from mmcpu.dev import speech
-from mmcpu.dev.checks import WER_LIMIT
-from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.dev.servers import MRV2_LOG_LINE, Engine
+from mmcpu_dev import speech
+from mmcpu_dev.checks import WER_LIMIT
+from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev.servers import MRV2_LOG_LINE, Engine
 
 pytestmark = pytest.mark.slow
 KNOWN_ERROR = "Found no NVIDIA driver on your system"

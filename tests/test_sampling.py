@@ -17,9 +17,9 @@ import re
 import httpx
 import pytest
 
-from mmcpu.dev.checks import WER_LIMIT
-from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.dev.speech import word_error_rate
+from mmcpu_dev.checks import WER_LIMIT
+from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev.speech import word_error_rate
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from mmcpu.config import Settings
-from mmcpu.dev import settings_doc
+from mmcpu_dev import settings_doc
 
 
 def test_docs_settings_table_is_generated_from_the_settings_class():

@@ -15,10 +15,10 @@ import pytest
 from openai.types.audio import TranscriptionTextDeltaEvent, TranscriptionTextDoneEvent
 
 from mmcpu.config import Settings, get_settings
-from mmcpu.dev import speech
-from mmcpu.dev.checks import WER_LIMIT
-from mmcpu.dev.payloads import audio_form, transcription_kwargs
-from mmcpu.dev.servers import ServedApp
+from mmcpu_dev import speech
+from mmcpu_dev.checks import WER_LIMIT
+from mmcpu_dev.payloads import audio_form, transcription_kwargs
+from mmcpu_dev.servers import ServedApp
 from mmcpu.gateway.app import create_app
 
 pytestmark = pytest.mark.slow

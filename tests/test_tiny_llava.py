@@ -13,8 +13,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")  # the fixture needs the engine venv (.cache/venv)
 
-from mmcpu.dev.fixtures import tiny_llava  # noqa: E402
-from mmcpu.dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
+from mmcpu_dev.fixtures import tiny_llava  # noqa: E402
+from mmcpu_dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
 
 IMAGE_TOKENS = (tiny_llava.IMAGE_SIZE // tiny_llava.PATCH_SIZE) ** 2  # CLS dropped by the "default" strategy
 

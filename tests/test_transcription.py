@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mmcpu.dev import speech
-from mmcpu.dev.checks import WER_LIMIT, expect_client_error, subtitle_text
-from mmcpu.dev.payloads import transcription_kwargs
-from mmcpu.dev.servers import MRV2_LOG_LINE
+from mmcpu_dev import speech
+from mmcpu_dev.checks import WER_LIMIT, expect_client_error, subtitle_text
+from mmcpu_dev.payloads import transcription_kwargs
+from mmcpu_dev.servers import MRV2_LOG_LINE
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ import base64
 
 import pytest
 
-from mmcpu.dev.checks import expect_client_error
-from mmcpu.dev.payloads import image_chat_kwargs, test_image
-from mmcpu.dev.servers import MRV2_LOG_LINE
+from mmcpu_dev.checks import expect_client_error
+from mmcpu_dev.payloads import image_chat_kwargs, test_image
+from mmcpu_dev.servers import MRV2_LOG_LINE
 
 pytestmark = pytest.mark.slow
 

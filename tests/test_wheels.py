@@ -1,4 +1,4 @@
-"""mmcpu.dev.wheels: the one fetch-and-extract helper (fixture models, pristine vLLM files, unpatched overlay)."""
+"""mmcpu_dev.wheels: the one fetch-and-extract helper (fixture models, pristine vLLM files, unpatched overlay)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from mmcpu.dev import wheels
+from mmcpu_dev import wheels
 
 
 @pytest.fixture

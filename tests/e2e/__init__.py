@@ -11,7 +11,7 @@ tests need a docker engine and those images, so ``make test`` / ``make test-quic
                            caught); the runtime runs as uid 10001 without compilers and refuses the settings that
                            need one; the patch tool works in the image without arguments
   test_patched_stack.py    compose.yaml + compose.test.yaml with the patched image, detached: the smoke client
-                           (mmcpu.dev.smoke in its container) must pass; the fault tests (EngineCore hung by
+                           (mmcpu_dev.smoke in its container) must pass; the fault tests (EngineCore hung by
                            SIGSTOP, EngineCore and container killed, gateway restart mid-load, `compose stop`
                            draining a long transcription); a mixed load with 0 failures; both engines log MRV2
   test_unpatched_stack.py  the same stack with the image without the seed patches must fail with the known error

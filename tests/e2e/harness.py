@@ -1,5 +1,5 @@
 """What the e2e tests drive: the docker client, a compose stack of this project, timed probes through its gateway,
-the smoke client's container, and the figures file. Requests are built by mmcpu.dev.payloads and sent with the
+the smoke client's container, and the figures file. Requests are built by mmcpu_dev.payloads and sent with the
 unmodified ``openai`` client; every wait is bounded; every process started here is stopped here."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import httpx
 import openai
 import psutil
 
-from mmcpu.dev.checks import CheckFailed, openai_error_body
-from mmcpu.dev.payloads import audio_file, image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu.dev.servers import free_port
-from mmcpu.dev.shell import human
+from mmcpu_dev.checks import CheckFailed, openai_error_body
+from mmcpu_dev.payloads import audio_file, image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev.servers import free_port
+from mmcpu_dev.shell import human
 from mmcpu.launch import served_name
 from mmcpu.proc import stop_group, tree, tree_rss
 
@@ -323,7 +323,7 @@ class Stack:
         return Background([*self.base, *args], log_path, self.env)
 
     def smoke_args(self, *args: str) -> list[str]:
-        """A one-off container of the smoke service in the stack's network: mmcpu.dev.smoke against the gateway."""
+        """A one-off container of the smoke service in the stack's network: mmcpu_dev.smoke against the gateway."""
         return ["run", "--rm", "--no-deps", "-T", "smoke", "--base-url", "http://gateway:8000/v1", *args]
 
     def smoke(self, log_path: Path, *args: str, timeout: float | None = None) -> int:

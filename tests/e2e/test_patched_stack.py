@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mmcpu.dev.servers import MRV2_LOG_LINE
-from mmcpu.dev.smoke import read_load
+from mmcpu_dev.servers import MRV2_LOG_LINE
+from mmcpu_dev.smoke import read_load
 
 from .harness import LOGS, OTHER, Config, Figures, Stack, Tally, docker_time, say, stopped, wait_for
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmcpu.dev.servers import MRV2_LOG_LINE
+from mmcpu_dev.servers import MRV2_LOG_LINE
 
 pytestmark = pytest.mark.e2e
 

@@ -15,9 +15,9 @@ Four layers, each usable alone:
 
 CLI (also ``scripts/k8s-render``)::
 
-    python -m mmcpu.dev.k8s list                  # overlay names
-    python -m mmcpu.dev.k8s render cpu-pool       # the YAML to `kubectl apply -f -`
-    python -m mmcpu.dev.k8s check [OVERLAY ...]   # render + schemas + checkov + policy; exit 1 on any problem
+    python -m mmcpu_dev.k8s list                  # overlay names
+    python -m mmcpu_dev.k8s render cpu-pool       # the YAML to `kubectl apply -f -`
+    python -m mmcpu_dev.k8s check [OVERLAY ...]   # render + schemas + checkov + policy; exit 1 on any problem
 """
 
 from __future__ import annotations
@@ -717,7 +717,7 @@ def checkov() -> Path:
     wanted = CHECKOV_REQUIREMENTS.read_text()
     if exe.is_file() and stamp.is_file() and stamp.read_text() == wanted:
         return exe
-    print(f"[mmcpu.dev.k8s] installing checkov into {CHECKOV_VENV} from {CHECKOV_REQUIREMENTS.name}", file=sys.stderr)
+    print(f"[mmcpu_dev.k8s] installing checkov into {CHECKOV_VENV} from {CHECKOV_REQUIREMENTS.name}", file=sys.stderr)
     base = getattr(sys, "_base_executable", sys.executable)  # a venv of the interpreter, not of our venv
     subprocess.run([base, "-m", "venv", "--clear", str(CHECKOV_VENV)], check=True)
     pip = [str(CHECKOV_VENV / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
@@ -770,7 +770,7 @@ def check_overlays(names: list[str | Path]) -> dict[str, tuple[list[Obj], list[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mmcpu.dev.k8s", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mmcpu_dev.k8s", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="overlay names")
     p_render = sub.add_parser("render", help="print an overlay's manifests")

@@ -1,4 +1,4 @@
-"""python -m mmcpu.dev.bench MODE [options]
+"""python -m mmcpu_dev.bench MODE [options]
 
     full     make bench: c=1,4,8,16, 2 rounds per level, every system (ours, V1, the peers at their best
              configuration: faster-whisper int8 / float32, OpenVINO GenAI fp32 / int8, whisper.cpp f16 / q8_0; the
@@ -13,7 +13,7 @@
              print what is available
     latency  make latency: per-request latency of ours and of the vision engine, MRV2 against V1 (prints figures)
     defaults measure this CPU's row of mmcpu/cpu_defaults.json (each role's dtype x quantisation candidates, their
-             engines up together, rounds rotating; mmcpu.defaults.pick chooses) and rewrite that row
+             engines up together, rounds rotating; mmcpu_dev.bench.rule.pick chooses) and rewrite that row
     compose  measure `compose up` to serving with the current image (make image) into OUT/bench/results.json and
              re-write the report: for a full run whose image was stale (it is measured last, the stack alone)
     render   re-write OUT/benchmarks.md and the plot from OUT/bench/results.json, measuring nothing
@@ -35,7 +35,7 @@ def ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mmcpu.dev.bench", description=__doc__.split("\n\n")[1],
+    parser = argparse.ArgumentParser(prog="python -m mmcpu_dev.bench", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("mode", choices=("full", "quick", "lines", "peers", "latency", "defaults", "compose",
                                          "render"))  # fmt: skip
@@ -66,21 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     # (they run in their own sessions and would outlive an abrupt exit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from mmcpu.dev.bench import plan as plans
-    from mmcpu.dev.bench import run
-    from mmcpu.dev.bench.results import Results
+    from mmcpu_dev.bench import plan as plans
+    from mmcpu_dev.bench import run
+    from mmcpu_dev.bench.results import Results
 
     bench_python = args.bench_venv / "bin" / "python"
     out = args.out or (REPO_ROOT / ".cache" / f"bench-{args.mode}" if args.mode in ("quick", "lines")
                        else REPO_ROOT / "docs")  # fmt: skip
     if args.mode == "defaults":
-        from mmcpu.dev.bench import defaults
+        from mmcpu_dev.bench import defaults
 
         return defaults.run(args.reps or 2, dry_run=args.dry_run, roles=tuple(args.roles.split(",")))
     if args.mode in ("render", "compose"):
         results = Results.model_validate_json((out / "bench" / "results.json").read_text())
         if args.mode == "compose":
-            from mmcpu.dev.bench.results import headline
+            from mmcpu_dev.bench.results import headline
 
             results.compose = run.compose_serving()
             results.headline = headline(results)

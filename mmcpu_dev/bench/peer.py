@@ -1,6 +1,6 @@
 """The benchmark's part that runs in a PEER's venv, not in the runtime venv, so no peer's dependencies move the
 runtime's pins: faster-whisper and matplotlib in the bench venv (.cache/bench-venv, requirements-bench.txt),
-OpenVINO GenAI and whisper.cpp (pywhispercpp) in their own (.cache/peers/NAME, mmcpu/dev/bench/peers.py). The
+OpenVINO GenAI and whisper.cpp (pywhispercpp) in their own (.cache/peers/NAME, mmcpu_dev/bench/peers.py). The
 benchmark runs this file by its path with that venv's python; it imports nothing from mmcpu.
 
     python peer.py fw --model CT2_DIR --compute-type int8|float32      faster-whisper (CTranslate2)

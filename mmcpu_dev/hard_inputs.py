@@ -1,10 +1,10 @@
 """Hard inputs: requests an OpenAI-compatible multimodal server must answer with a clear 4xx, never 500 or death.
 
 Each :class:`Case` names the endpoint, how to build the request (the ``openai`` client where it can express it,
-else :class:`mmcpu.dev.payloads.RawRequest`: exact bytes for httpx) and the expected status. The tests, the compose
+else :class:`mmcpu_dev.payloads.RawRequest`: exact bytes for httpx) and the expected status. The tests, the compose
 smoke check (through the gateway) and anyone else run them the same way:
 
-    from mmcpu.dev import hard_inputs
+    from mmcpu_dev import hard_inputs
     for result in hard_inputs.run_all("http://127.0.0.1:8000/v1", api_key="..."):
         print(result.case.name, result.status, result.ok, result.detail)
 
@@ -23,9 +23,9 @@ from typing import Any, Literal, NamedTuple
 import httpx
 import openai
 
-from mmcpu.dev import payloads
-from mmcpu.dev.checks import CheckFailed, openai_error_body
-from mmcpu.dev.payloads import RawRequest, image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev import payloads
+from mmcpu_dev.checks import CheckFailed, openai_error_body
+from mmcpu_dev.payloads import RawRequest, image_chat_kwargs, test_image, transcription_kwargs
 
 Modality = Literal["audio", "vision"]
 LONG_TEXT = "word " * 5000  # far beyond any context here (Whisper decoder 448, tiny-llava 1024)

@@ -27,16 +27,16 @@ import psutil
 
 from mmcpu import cpu
 from mmcpu.config import REPO_ROOT, get_settings
-from mmcpu.dev.bench import inputs, profiles, report
-from mmcpu.dev.bench.plan import Plan, System
-from mmcpu.dev.bench.results import Meta, Mixed, Results, RoundRecord, SearchRow, Startup, SystemResult
-from mmcpu.dev.bench.results import headline, missing
-from mmcpu.dev.bench.peers import PeerUnavailable, Setup
-from mmcpu.dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, FasterWhisper, Gateway, Http, Peer, Profiler,
+from mmcpu_dev.bench import inputs, profiles, report
+from mmcpu_dev.bench.plan import Plan, System
+from mmcpu_dev.bench.results import Meta, Mixed, Results, RoundRecord, SearchRow, Startup, SystemResult
+from mmcpu_dev.bench.results import headline, missing
+from mmcpu_dev.bench.peers import PeerUnavailable, Setup
+from mmcpu_dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, FasterWhisper, Gateway, Http, Peer, Profiler,
                                      RssSampler, log, run_round, undisturbed, worker_cpus, worker_pid)  # fmt: skip
-from mmcpu.dev.bench.stats import Round, merge_rounds, ratio, summarize, wer
-from mmcpu.dev.payloads import test_image
-from mmcpu.dev.servers import Engine
+from mmcpu_dev.bench.stats import Round, merge_rounds, ratio, summarize, wer
+from mmcpu_dev.payloads import test_image
+from mmcpu_dev.servers import Engine
 
 # Published size of upstream's CPU image, for the comparison with ours (see the report for what each figure is).
 UPSTREAM_IMAGE = [

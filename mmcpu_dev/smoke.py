@@ -1,14 +1,14 @@
-"""The compose smoke check: ``python -m mmcpu.dev.smoke [--base-url http://gateway:8000/v1]``.
+"""The compose smoke check: ``python -m mmcpu_dev.smoke [--base-url http://gateway:8000/v1]``.
 
 Talks to the gateway the way a user does, with the unmodified ``openai`` client and the project's request
-builders (mmcpu.dev.payloads) and speech (mmcpu.dev.speech):
+builders (mmcpu_dev.payloads) and speech (mmcpu_dev.speech):
   - transcriptions of espeak-ng sentences: WER over all of them, and the json / text / srt / vtt formats,
     each checked for being well formed and saying the same words;
   - image chats with two different images in one request; other images must give another answer;
   - one transcription and one two-image chat at the same time;
   - bad inputs (empty file, non-audio bytes, malformed data URL, unknown model) must get 4xx OpenAI-style
     errors, and a good request must still succeed afterwards.
-  - when mmcpu.dev.hard_inputs exists: every case of its catalogue through the gateway (each must get its 4xx,
+  - when mmcpu_dev.hard_inputs exists: every case of its catalogue through the gateway (each must get its 4xx,
     and the engines must still answer afterwards).
 One line per check; exit 0 only if every check passes. MRV2 evidence is in the engines' logs, which this
 container cannot see: ``make e2e`` checks them after the smoke has passed.
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import openai
 
-from mmcpu.dev import speech
-from mmcpu.dev.bench.stats import percentile
-from mmcpu.dev.checks import WER_LIMIT, CheckFailed, expect_client_error, subtitle_text
+from mmcpu_dev import speech
+from mmcpu_dev.bench.stats import percentile
+from mmcpu_dev.checks import WER_LIMIT, CheckFailed, expect_client_error, subtitle_text
 from mmcpu.config import get_settings
 from mmcpu.launch import served_name
-from mmcpu.dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 
 N_SENTENCES = 4  # >= 3 sentences; each MRV2 transcription takes a few seconds on CPU
 
@@ -197,9 +197,9 @@ class Smoke:
         return f"transcription {text!r}, chat {answer!r}"
 
     def run_hard_inputs(self) -> None:
-        """The shared catalogue of hard inputs (mmcpu.dev.hard_inputs), through the gateway, one check per case."""
+        """The shared catalogue of hard inputs (mmcpu_dev.hard_inputs), through the gateway, one check per case."""
         try:
-            from mmcpu.dev import hard_inputs
+            from mmcpu_dev import hard_inputs
         except ImportError:
             return
         base_url = str(self.client.base_url).rstrip("/")
@@ -380,7 +380,7 @@ def run_long(smoke: Smoke, seconds: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
-    parser = argparse.ArgumentParser(prog="python -m mmcpu.dev.smoke", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mmcpu_dev.smoke", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default=f"http://127.0.0.1:{settings.gateway_port}/v1", help="default: %(default)s")
     parser.add_argument("--audio-model", default=served_name(settings.audio_model), help="default: %(default)s")
     parser.add_argument("--vision-model", default=served_name(settings.vision_model), help="default: %(default)s")

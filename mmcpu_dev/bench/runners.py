@@ -1,5 +1,5 @@
 """The systems as the benchmark drives them, and what it records around each round: a vLLM engine or the gateway
-over HTTP (the one request builder, mmcpu.dev.payloads), faster-whisper in the bench venv (``peer.py`` over
+over HTTP (the one request builder, mmcpu_dev.payloads), faster-whisper in the bench venv (``peer.py`` over
 stdin/stdout), the load during a round, peak memory per process tree, and py-spy on vLLM's worker."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import TypeVar
 import openai
 import psutil
 
-from mmcpu.dev.bench.inputs import Clip
-from mmcpu.dev.bench.stats import Round, Sample
-from mmcpu.dev.payloads import image_chat_kwargs, transcription_kwargs
-from mmcpu.dev.servers import Engine, free_port, wait_until_ok
+from mmcpu_dev.bench.inputs import Clip
+from mmcpu_dev.bench.stats import Round, Sample
+from mmcpu_dev.payloads import image_chat_kwargs, transcription_kwargs
+from mmcpu_dev.servers import Engine, free_port, wait_until_ok
 from mmcpu.proc import stop_group, tree_rss
 
 PEER = Path(__file__).with_name("peer.py")  # run by path by the bench venv's python (-P: this folder off sys.path)

@@ -7,10 +7,10 @@ no-new-privileges, CPU/memory limits, emptyDir and claim volumes (as tmpfs), /de
 environment (ConfigMaps resolved) and args from the render; containers are reachable under their
 Service names, so the gateway's engine URLs work unchanged. Then: startup probes within their
 window, readiness/liveness, the process's real credentials, MRV2 in the engine log, requests
-through the gateway (the checks of mmcpu.dev.smoke), memory in use against the limit, and a stop
+through the gateway (the checks of mmcpu_dev.smoke), memory in use against the limit, and a stop
 within the grace period.
 
-    python -m mmcpu.dev.k8s_smoke [--overlay base] [--image mmcpu:latest] [--roles audio,vision,gateway]
+    python -m mmcpu_dev.k8s_smoke [--overlay base] [--image mmcpu:latest] [--roles audio,vision,gateway]
 
 Differences from a cluster, on purpose: no preStop hook (docker has none), volumes are tmpfs (their
 pages count against the container's memory, unlike a disk emptyDir), no static CPU manager.
@@ -32,9 +32,9 @@ from typing import Any
 
 import openai
 
-from mmcpu.dev import k8s
+from mmcpu_dev import k8s
 from mmcpu.launch import served_name
-from mmcpu.dev.smoke import Smoke
+from mmcpu_dev.smoke import Smoke
 
 PREFIX = "mmcpu-k8s-smoke"
 NETWORK = f"{PREFIX}-net"
@@ -326,7 +326,7 @@ def _expect(actual: Any, wanted: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mmcpu.dev.k8s_smoke", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mmcpu_dev.k8s_smoke", description=__doc__.split("\n\n")[0])
     parser.add_argument("--overlay", default="base", help="kustomization to render (default: %(default)s)")
     # The render names a fixed tag (mmcpu:0.1.0, for a registry); `make image` builds mmcpu:latest locally.
     parser.add_argument("--image", default="mmcpu:latest", help="image to run (default: %(default)s, what make image builds)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from mmcpu.dev.bench.plan import Figure, Plan, System
-from mmcpu.dev.bench.stats import LevelStats, ratio
+from mmcpu_dev.bench.plan import Figure, Plan, System
+from mmcpu_dev.bench.stats import LevelStats, ratio
 
 
 class RoundRecord(BaseModel):

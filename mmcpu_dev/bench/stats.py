@@ -37,7 +37,7 @@ def ratio(ours: float | None, peer: float | None) -> float | None:
 
 def wer(samples: Sequence[Sample]) -> float | None:
     """Word error rate over the successful transcriptions that have a reference (None: none had one)."""
-    from mmcpu.dev import speech
+    from mmcpu_dev import speech
 
     ok = [s for s in samples if s.ok and s.ref is not None]
     return speech.word_error_rate([s.ref for s in ok], [s.text or "" for s in ok]) if ok else None

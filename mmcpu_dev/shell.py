@@ -1,8 +1,8 @@
 """What scripts/docker-e2e asks Python for, so the shell does not restate facts the Python side owns:
 
-    python -m mmcpu.dev.shell served-name MODEL   the name clients address MODEL by (mmcpu.launch.served_name)
-    python -m mmcpu.dev.shell free-port           a free loopback port (mmcpu.dev.servers.free_port)
-    python -m mmcpu.dev.shell human BYTES         bytes as the e2e figures print them (1.50KiB, 2.41GiB)
+    python -m mmcpu_dev.shell served-name MODEL   the name clients address MODEL by (mmcpu.launch.served_name)
+    python -m mmcpu_dev.shell free-port           a free loopback port (mmcpu_dev.servers.free_port)
+    python -m mmcpu_dev.shell human BYTES         bytes as the e2e figures print them (1.50KiB, 2.41GiB)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def human(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mmcpu.dev.shell", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mmcpu_dev.shell", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="fact", required=True)
     sub.add_parser("served-name").add_argument("model")
     sub.add_parser("free-port")
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(served_name(args.model))
     elif args.fact == "free-port":
-        from mmcpu.dev.servers import free_port
+        from mmcpu_dev.servers import free_port
 
         print(free_port())
     else:

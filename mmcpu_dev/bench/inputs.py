@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
-from mmcpu.dev import speech
-from mmcpu.dev.bench.plan import Request
+from mmcpu_dev import speech
+from mmcpu_dev.bench.plan import Request
 
 WINDOW_S = 30  # Whisper's window: a request of the fixed workload must fit in one
 
@@ -64,7 +64,7 @@ def long_files(parts: list[Clip], out_dir: Path, lengths_s: list[int]) -> list[C
 def ct2_dir(source: str, cache: Path) -> Path:
     """The CTranslate2 model of a whisper_ct2 source as faster-whisper wants it (model.bin - its parts joined -,
     config.json, tokenizer.json - without it faster-whisper would fetch one from the hub - and the vocabulary)."""
-    from mmcpu.dev.fixtures import whisper_ct2
+    from mmcpu_dev.fixtures import whisper_ct2
 
     src = whisper_ct2.SOURCES[source]
     out = cache / "models" / f"{source}-ct2"
