@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 LINES_FILE = REPO / "requirements" / "lines.env"
 
 
