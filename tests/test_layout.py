@@ -38,9 +38,13 @@ def test_the_wheel_holds_the_runtime_package_only(tmp_path):
     """What `pip install .` puts in the image: mmcpu and its data, no mmcpu_dev."""
     from mmcpu.config import REPO_ROOT
 
-    out = tmp_path / "wheel"
+    import shutil
+
+    src, out = tmp_path / "src", tmp_path / "wheel"  # built from a copy: setuptools writes build/ beside the sources
+    shutil.copytree(REPO_ROOT, src, ignore=shutil.ignore_patterns(".cache", ".git", "build", "*.egg-info",
+                                                                  "__pycache__", "*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(REPO_ROOT)], check=True, capture_output=True, timeout=300)
+                    str(src)], check=True, capture_output=True, timeout=300)
     import zipfile
 
     [wheel] = out.glob("mmcpu-*.whl")
