@@ -22,7 +22,7 @@ LOCK  = requirements/vllm-$(VLLM_VERSION).lock
 PYTEST_ARGS ?=
 OVERLAYS ?=
 
-.PHONY: venv venv-proof models test test-quick latency lock clean-venv k8s-check settings-doc
+.PHONY: venv venv-proof models test test-quick latency lock clean-venv k8s-check settings-doc patches-doc
 venv:
 	VLLM_VERSION=$(VLLM_VERSION) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c $(LOCK) -e '.[test]'

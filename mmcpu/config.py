@@ -1,4 +1,4 @@
-"""The project's one settings module: every knob is an env var ``MMCPU_<FIELD>`` (see README)."""
+"""The project's one settings module: every knob is an env var ``MMCPU_<FIELD>`` (table: docs/settings.md)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     kvcache_gib: float = Field(
         0.25, gt=0, description="KV cache in GiB (vLLM --kv-cache-memory-bytes). 0.25 holds 17 full-length "
         "Whisper-tiny requests (7.6k tokens) and costs 0.75 GiB less RSS than 1 (measured); raise it for real "
-        "models (README Sizing)"
+        "models (docs/sizing.md)"
     )
     executor: Literal["uni", "mp"] = Field(
         "uni", description="'uni' = vLLM's worker inside the EngineCore process (2 processes, no shared-memory "

@@ -52,7 +52,7 @@ def mm_cache_gib(settings: Settings, memory_limit: int | None = None) -> float:
 
 
 def default_reserved(count: int) -> int:
-    """Cores kept for vLLM's front end (API server, scheduler) - README "Sizing": none below 8 CPUs, where one
+    """Cores kept for vLLM's front end (API server, scheduler) - docs/sizing.md: none below 8 CPUs, where one
     core out of 2-4 costs more compute than the front end needs; 1 from 8, 2 from 16."""
     return 0 if count < 8 else 1 if count < 16 else 2
 

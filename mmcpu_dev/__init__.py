@@ -1,2 +1,2 @@
-"""Dev tooling: tests, benchmarks, smoke checks, Kubernetes checks and fixture builders. The runtime image does not
-import it (see the package map in README.md)."""
+"""Dev tooling: tests' servers, benchmarks, smoke checks, Kubernetes checks and fixture builders, apart from the
+runtime package: neither the mmcpu wheel nor the runtime image holds it (see the layout table in README.md)."""
