@@ -42,7 +42,8 @@ venv-proof:
 models: venv
 	$(PY) -m mmcpu_dev.fixtures all
 
-test: models venv-proof
+# bench-venv holds faster-whisper: the reference the timestamp, word-timing and VAD tests compare against.
+test: models venv-proof bench-venv
 	$(PY) -m pytest -v --durations=15 $(PYTEST_ARGS)
 
 test-quick: venv
