@@ -263,7 +263,7 @@ def test_results_round_trip_through_json_and_the_report_leads_with_the_cpu(tmp_p
     assert again == res and again.systems[res.plan.ours].audio[16].throughput == 320.0
     md = report.render(res)
     assert md.splitlines()[2].startswith("**CPU: Test CPU 9000**") and "`avx2`" in md.splitlines()[2]
-    assert "| `audio_default/fw_int8@c=8` | 16× | >= 2.0 | yes |" in md
+    assert "| `audio_default/fw_int8@c=8` | 16× | >= 2.5 | yes |" in md
     assert "| `mrv2/v1@c=1` | 2× | >= 1.05 | yes |" in md
     assert "| `wer_fw_int8` | 0.250 |" in md
     assert "**(ours)**" in md
