@@ -42,6 +42,16 @@ def whisper_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def fw_reference():
+    """faster-whisper on the same CTranslate2 weights (mmcpu_dev/reference.py); fail loudly (not skip) when the
+    bench venv is missing."""
+    from mmcpu_dev import reference
+
+    assert reference.available(), f"{reference.BENCH_PYTHON} missing (run `make bench-venv`)"
+    return reference
+
+
+@pytest.fixture(scope="session")
 def llava_model() -> Path:
     from mmcpu_dev.fixtures import tiny_llava
 

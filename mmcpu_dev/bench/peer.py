@@ -13,6 +13,10 @@ benchmark runs this file by its path with that venv's python; it imports nothing
             own num_workers; OpenVINO, whisper.cpp: a pool of W pipelines / contexts). B > 0 (faster-whisper
             only): each file through BatchedInferencePipeline with batch_size B
           {"op": "quit"}
+    python peer.py fw-ref --model CT2_DIR --compute-type int8|float32
+        faster-whisper as the tests' reference (mmcpu_dev/reference.py): reads one JSON object
+        {"files": [...], "options": {...transcribe() keywords}} from stdin, prints {"versions", "results": [{"text",
+        "language", "duration", "segments": [{"id", "start", "end", "text", "words": [...] | null}]}]}.
     python peer.py plot --json RESULTS --out PNG
         audio throughput vs concurrency per system (the same requests at every level).
 """
@@ -128,6 +132,29 @@ def wcpp_backend(ggml_bin: Path):  # noqa: ANN201
     return load, {"pywhispercpp": metadata.version("pywhispercpp")}
 
 
+def fw_reference(model_dir: Path, compute_type: str) -> int:
+    import ctranslate2
+    import faster_whisper
+    from faster_whisper import WhisperModel
+
+    proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr
+    req = json.loads(sys.stdin.read())
+    model = WhisperModel(str(model_dir), device="cpu", compute_type=compute_type, cpu_threads=min(_cpus(), 2))
+    results = []
+    for path in req["files"]:
+        segments, info = model.transcribe(path, **req["options"])
+        segs = [{"id": s.id, "start": s.start, "end": s.end, "text": s.text,
+                 "words": None if s.words is None else [{"word": w.word, "start": w.start, "end": w.end,
+                                                         "probability": w.probability} for w in s.words]}
+                for s in segments]  # fmt: skip
+        results.append({"text": "".join(s["text"] for s in segs).strip(), "language": info.language,
+                        "duration": info.duration, "segments": segs})
+    proto.write(json.dumps({"versions": {"faster-whisper": faster_whisper.__version__,
+                                         "ctranslate2": ctranslate2.__version__}, "results": results}) + "\n")
+    return 0
+
+
 def serve(kind: str, model: Path, compute_type: str | None) -> int:
     # The protocol owns the real stdout; anything a library prints goes to stderr instead.
     proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
@@ -221,16 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     ov.add_argument("--model", type=Path, required=True, help="OpenVINO IR folder (optimum-cli export openvino)")
     wc = sub.add_parser("wcpp", help="serve whisper.cpp (pywhispercpp) over stdin/stdout")
     wc.add_argument("--model", type=Path, required=True, help="ggml model file")
+    ref = sub.add_parser("fw-ref", help="faster-whisper once over a list of files, as the tests' reference")
+    ref.add_argument("--model", type=Path, required=True, help="CTranslate2 model folder")
+    ref.add_argument("--compute-type", required=True, choices=["int8", "float32", "int8_float32", "float16"])
     pl = sub.add_parser("plot", help="throughput vs concurrency PNG")
     pl.add_argument("--json", type=Path, required=True)
     pl.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.cmd == "plot":
         return plot(args.json, args.out)
-    need = {"fw": args.model / "model.bin", "ov": args.model / "openvino_encoder_model.xml", "wcpp": args.model}
+    need = {"fw": args.model / "model.bin", "fw-ref": args.model / "model.bin", "ov": args.model / "openvino_encoder_model.xml", "wcpp": args.model}
     if not need[args.cmd].is_file():
         print(f"error: {need[args.cmd]} missing", file=sys.stderr)
         return 2
+    if args.cmd == "fw-ref":
+        return fw_reference(args.model, args.compute_type)
     return serve(args.cmd, args.model, getattr(args, "compute_type", None))
 
 
