@@ -17,6 +17,8 @@
     compose  measure `compose up` to serving with the current image (make image) into OUT/bench/results.json and
              re-write the report: for a full run whose image was stale (it is measured last, the stack alone)
     render   re-write OUT/benchmarks.md and the plot from OUT/bench/results.json, measuring nothing
+    attention encoder attention GFLOP/s per implementation beside the fc1 GEMM rate (mmcpu_dev.bench.attention;
+             its own options: python -m mmcpu_dev.bench attention --help)
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["attention"]:  # a microbenchmark with its own options, no engine
+        from mmcpu_dev.bench import attention
+
+        return attention.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mmcpu_dev.bench", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("mode", choices=("full", "quick", "lines", "peers", "latency", "defaults", "compose",
