@@ -5,9 +5,11 @@ group, which vLLM's ``load_general_plugins()`` calls once in every process it ru
 (``EngineArgs``), each EngineCore (``vllm/v1/engine/core.py``) and each worker (``vllm/v1/worker/worker_base.py``),
 before the worker class is imported.
 
-:func:`register` does nothing unless ``TRITON_INTERPRET=1`` (without it there is no interpreter to replace). Then
-it waits for vLLM's CPU worker module to be imported - only a process that builds a CPU worker imports it: the
-EngineCore with the uniproc executor, the worker with ``mp``; never the API server - and wraps three methods of
+:func:`register` waits for vLLM's CPU worker module to be imported - only a process that builds a CPU worker
+imports it: the EngineCore with the uniproc executor, the worker with ``mp``; never the API server. Then, whatever
+the runner, it adds one method to ``CPUWorker``, :data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention
+pass of Whisper's word timestamps, which the API server calls with ``collective_rpc`` (patches/0022). With
+``TRITON_INTERPRET=1`` (without it there is no interpreter to replace) it also wraps three methods of
 ``CPUWorker``:
 
 - ``init_device``: when the worker builds MRV2 (``use_v2_model_runner``), first installs
@@ -42,9 +44,19 @@ HOOKED_METHODS = ("init_device", "compile_or_warm_up_model", "shutdown")
 
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (see the module docstring)."""
+    after_import(WORKER_MODULE, add_word_alignment)
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     after_import(WORKER_MODULE, hook_cpu_worker)
+
+
+def add_word_alignment(module: ModuleType) -> None:
+    """``CPUWorker.<WORKER_METHOD>``: Whisper's alignment-head cross-attention with the worker's loaded model."""
+    from mmcpu import whisper_align
+
+    cls = getattr(module, "CPUWorker", None)
+    if cls is not None and not hasattr(cls, whisper_align.WORKER_METHOD):
+        setattr(cls, whisper_align.WORKER_METHOD, whisper_align.worker_cross_attention)
 
 
 def hook_cpu_worker(module: ModuleType) -> None:

@@ -77,11 +77,22 @@ def test_entry_point_is_registered():
     assert declared["vllm.general_plugins"] == {"mmcpu": "mmcpu.plugin:register"}
 
 
-def test_register_does_nothing_without_the_interpreter(monkeypatch):
+def test_register_only_adds_word_alignment_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     before = list(sys.meta_path)
     plugin.register()
-    assert sys.meta_path == before
+    added = [f for f in sys.meta_path if f not in before]
+    sys.meta_path[:] = before
+    assert all(isinstance(f, plugin._AfterImport) and f.callback is plugin.add_word_alignment for f in added)
+
+
+def test_word_alignment_method_is_added_once(fake_vllm):
+    from mmcpu import whisper_align
+
+    module = fake_vllm()
+    plugin.add_word_alignment(module)
+    plugin.add_word_alignment(module)
+    assert getattr(module.CPUWorker, whisper_align.WORKER_METHOD) is whisper_align.worker_cross_attention
 
 
 def test_after_import_runs_once_the_module_has_run(fake_vllm):
