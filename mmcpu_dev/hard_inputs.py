@@ -166,6 +166,11 @@ CASES: list[Case] = [
            _stt(payloads.audio_file(1.0), response_format=fmt, stream=True), param="response_format",
            why=f"stream with response_format={fmt}: no streamed form (events carry text only)")
       for fmt in ("srt", "vtt", "diarized_json")],
+    # Word timestamps need verbose_json (OpenAI's rule; patches/0022).
+    *[Case(f"word-timestamps-{fmt}", TRANSCRIPTIONS, "audio",
+           _stt_form(TRANSCRIPTIONS, {"timestamp_granularities[]": "word"}, response_format=fmt),
+           param="timestamp_granularities", why=f"timestamp_granularities=[word] with response_format={fmt}")
+      for fmt in ("json", "text")],
     Case("translation-stream-srt", TRANSLATIONS, "audio", _stt_form(TRANSLATIONS, {"stream": "true"}, response_format="srt"),
          param="response_format", why="a translation stream with srt: refused like a transcription's"),
     Case("stream-options-without-stream", TRANSCRIPTIONS, "audio",
