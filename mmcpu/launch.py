@@ -139,6 +139,20 @@ def kernels_preflight(settings: Settings) -> str | None:
             "runs vLLM's own kernels in Triton's interpreter instead (10-100x slower)")
 
 
+# Whisper's timestamp rules for verbose_json / srt / vtt (mmcpu/whisper_timestamps.py): an MRV2 logits processor,
+# named on the command line rather than as an entry point, whose group V1 engines would load too and reject.
+TIMESTAMP_RULES = "mmcpu.whisper_timestamps:WhisperTimestamps"
+
+
+def mrv2_logits_processors() -> bool:
+    """Whether the vLLM this interpreter runs has MRV2's custom logits-processor interface (0.32 does, 0.26 not)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    roots = spec.submodule_search_locations if spec else None
+    return any((Path(r) / "v1/worker/gpu/sample/logits_processor/interface.py").is_file() for r in roots or [])
+
+
 def engine_argv(
     model: str,
     settings: Settings,
@@ -164,6 +178,8 @@ def engine_argv(
         argv += ["--max-model-len", str(settings.max_model_len)]
     if not settings.compile:
         argv.append("--enforce-eager")
+    if settings.runner == "v2" and model_kind(model) == "audio" and mrv2_logits_processors():
+        argv += ["--logits-processors", TIMESTAMP_RULES]
     if settings.drain_s > 0:
         # On SIGTERM vLLM then stops admitting and lets in-flight requests finish for up to this long (its
         # default, 0, aborts them). compose's stop_grace_period is this plus a margin.
