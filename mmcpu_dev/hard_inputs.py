@@ -171,6 +171,13 @@ CASES: list[Case] = [
            _stt_form(TRANSCRIPTIONS, {"timestamp_granularities[]": "word"}, response_format=fmt),
            param="timestamp_granularities", why=f"timestamp_granularities=[word] with response_format={fmt}")
       for fmt in ("json", "text")],
+    # Segment timestamps (patches/0020): known values only, and only with verbose_json.
+    Case("timestamp-granularity-unknown", TRANSCRIPTIONS, "audio",
+         _stt_form(TRANSCRIPTIONS, {"timestamp_granularities[]": "sentence"}, response_format="verbose_json"),
+         param="timestamp_granularities", why="timestamp_granularities holds a value other than segment/word"),
+    Case("segment-timestamps-json", TRANSCRIPTIONS, "audio",
+         _stt_form(TRANSCRIPTIONS, {"timestamp_granularities[]": "segment"}, response_format="json"),
+         param="timestamp_granularities", why="timestamp_granularities=[segment] with response_format=json"),
     Case("translation-stream-srt", TRANSLATIONS, "audio", _stt_form(TRANSLATIONS, {"stream": "true"}, response_format="srt"),
          param="response_format", why="a translation stream with srt: refused like a transcription's"),
     Case("stream-options-without-stream", TRANSCRIPTIONS, "audio",
