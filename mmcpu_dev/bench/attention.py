@@ -164,23 +164,28 @@ def measure(reps: int = 5, names: list[str] | None = None, dtypes: tuple[str, ..
             for _ in range(reps):  # interleaved: each round times every implementation once
                 for i, fn in fns.items():
                     times[i].append(_timed(fn))
-            gf = {i: round((gemm_flop if i == "gemm" else shape.flops) / statistics.median(t) / 1e9, 2)
+            gf = {i: _sig((gemm_flop if i == "gemm" else shape.flops) / statistics.median(t) / 1e9)
                   for i, t in times.items()}  # fmt: skip
-            gf["ratio"] = round(gf["auto"] / gf["gemm"], 3)
+            gf["ratio"] = _sig(gf["auto"] / gf["gemm"])
             cuts = shape.cu_seqlens or (0, shape.s)
             longest = max(y - x for x, y in zip(cuts, cuts[1:]))
-            gf["auto_is"] = "sdpa" if longest * longest < attention.MIN_WORK else \
+            gf["auto_is"] = "sdpa_strided" if longest * longest < attention.MIN_WORK else \
                 attention.choose(dt, shape.head_size, shape.heads, shape.heads)
             row[dt_name] = gf
         if "bfloat16" in dtypes:
             t = [_timed(gemm["int8"]) for _ in range(reps)]
-            g8 = round(gemm_flop / statistics.median(t) / 1e9, 2)
-            row["int8"] = {"attention": "bfloat16", "gemm": g8, "ratio": round(row["bfloat16"]["auto"] / g8, 3)}
+            g8 = _sig(gemm_flop / statistics.median(t) / 1e9)
+            row["int8"] = {"attention": "bfloat16", "gemm": g8, "ratio": _sig(row["bfloat16"]["auto"] / g8)}
         row["load"] = watch.stop()
         record["shapes"][shape.name] = row
         log(_line(shape.name, row))
     record["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return record
+
+
+def _sig(x: float) -> float:
+    """4 significant digits: the vision fixtures' rates are well under 1 GFLOP/s."""
+    return float(f"{x:.4g}")
 
 
 def _line(name: str, row: dict) -> str:
