@@ -108,6 +108,14 @@ class Settings(BaseSettings):
         "to every cold start and gains little for small models",
     )
     extra_args: str = Field("", description="extra vLLM CLI arguments, shell-split")
+    vad_default: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="served model names (comma-separated; '*' = every speech engine) whose transcriptions and "
+        "translations without chunking_strategy get 'auto': Silero VAD, only speech encoded, long audio cut at "
+        "pauses (docs/api.md#voice-activity-chunking). Unset = vLLM's fixed 30 s windows. Per role: set it in that "
+        "role's service. vLLM's API server reads it (patches/0023)",
+        json_schema_extra={"doc_default": "unset"},
+    )
 
     # --- roles of the container entrypoint --------------------------------------------------------
     audio_model: str = Field("/models/whisper-tiny.en", description="model served by the audio engine")
@@ -193,6 +201,14 @@ class Settings(BaseSettings):
         return {"audio": EngineRole(model=self.audio_model, port=self.audio_port, args=self.audio_args),
                 "vision": EngineRole(model=self.vision_model, port=self.vision_port, args=self.vision_args),
                 **self.engine_roles}
+
+    @field_validator("vad_default", mode="before")
+    @classmethod
+    def _parse_vad_default(cls, value: object) -> object:
+        # 'whisper-tiny.en,whisper-base' in compose and Kubernetes, like MMCPU_ENGINES (not JSON).
+        if isinstance(value, str):
+            return [name for name in (part.strip() for part in value.split(",")) if name]
+        return value
 
     @field_validator("engines", mode="before")
     @classmethod

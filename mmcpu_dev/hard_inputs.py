@@ -210,6 +210,20 @@ CASES: list[Case] = [
          status=404, why="a chat completion for the Whisper model: its engine has no chat route"),
     Case("get-on-transcriptions", TRANSCRIPTIONS, "audio", lambda model: RawRequest(TRANSCRIPTIONS, b"", method="GET"),
          status=405, why="GET on a POST-only route"),
+    # chunking_strategy (patches/0023): "auto" or OpenAI's server_vad object, refused before any decoding.
+    *[Case(f"chunking-strategy-{name}", TRANSCRIPTIONS, "audio", _stt_form(TRANSCRIPTIONS, fields),
+           param="chunking_strategy", why=why)
+      for name, fields, why in [
+          ("unknown-string", {"chunking_strategy": "fixed"}, "chunking_strategy 'fixed' (only 'auto' or an object)"),
+          ("wrong-type", {"chunking_strategy": "[1, 2]"}, "chunking_strategy a JSON list"),
+          ("unknown-object-type", {"chunking_strategy[type]": "client_vad"}, "an object of type client_vad"),
+          ("threshold-out-of-range", {"chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "1.5"},
+           "server_vad threshold 1.5 (OpenAI: 0..1)"),
+          ("negative-silence", {"chunking_strategy": '{"type": "server_vad", "silence_duration_ms": -5}'},
+           "server_vad silence_duration_ms -5"),
+          ("padding-not-integer", {"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]":
+                                   "ten"}, "server_vad prefix_padding_ms 'ten'"),
+      ]],
     Case("translation-truncated-flac", TRANSLATIONS, "audio", _stt(_truncated("flac", 30), "flac", endpoint=TRANSLATIONS),
          why="the translations route shares the decoder: same 4xx"),
     # --- vision: /v1/chat/completions with image_url parts on the LLaVA engine --------------------------------
