@@ -19,6 +19,10 @@
     render   re-write OUT/benchmarks.md and the plot from OUT/bench/results.json, measuring nothing
     attention encoder attention GFLOP/s per implementation beside the fc1 GEMM rate (mmcpu_dev.bench.attention;
              its own options: python -m mmcpu_dev.bench attention --help)
+    float32  float32 GEMM GFLOP/s per CPU path (MKL via F.linear, vLLM's oneDNN, torch's mkldnn) at Whisper's
+             linear shapes (mmcpu_dev.bench.float32; docs/bench/float32.md)
+    c1profile one request at c=1 taken apart, ours against OpenVINO GenAI's perf_metrics (mmcpu_dev.bench.c1profile;
+             docs/bench/c1-profile.md)
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         from mmcpu_dev.bench import attention
 
         return attention.main(argv[1:])
+    if argv[:1] == ["float32"]:  # float32 GEMM paths, no engine
+        from mmcpu_dev.bench import float32
+
+        return float32.main(argv[1:])
+    if argv[:1] == ["c1profile"]:  # one request's parts, ours against OpenVINO GenAI
+        from mmcpu_dev.bench import c1profile
+
+        return c1profile.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mmcpu_dev.bench", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("mode", choices=("full", "quick", "lines", "peers", "latency", "defaults", "compose",
