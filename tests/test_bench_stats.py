@@ -251,6 +251,10 @@ def test_headline_from_a_typed_result(tmp_path):
     assert head["wer_audio_default"] == head["wer_float32"] == 0.2 and head["wer_fw_int8"] == 0.25
     assert head["engine_ready_cold_s"] == 42.0 and head["engine_peak_rss_gib"] == 3.0
     assert missing(res) == []
+    assert "encoder_attention/gemm_bf16" not in head  # no attention measured: no ratio
+    res.attention = {"whisper-tiny.en": {"auto": 410.0}, "gemm_bf16": 820.0, "ratio": 0.5}
+    assert headline(res)["encoder_attention/gemm_bf16"] == 0.5
+    res.attention = {}
     del res.paired[res.plan.ours]
     res.headline = headline(res)
     assert "audio_default/fw_int8@c=1" not in res.headline  # not measured: left out, not invented

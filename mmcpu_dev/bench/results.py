@@ -99,6 +99,7 @@ class Results(BaseModel):
     mixed: Mixed | None = None
     profile: dict[str, dict] = {}
     rounds: list[RoundRecord] = []
+    attention: dict = {}  # mmcpu_dev.bench.attention.headline(): bf16 encoder attention GFLOP/s beside the GEMM's
     headline: dict[str, float] = {}
 
     @property
@@ -160,6 +161,8 @@ def headline(results: Results) -> dict[str, float]:
     out["compose_up_to_serving_s"] = results.compose.get("compose_up_to_serving_s")
     rss = ours.peak_rss_bytes if ours else None
     out["engine_peak_rss_gib"] = round(rss / 2**30, 2) if rss else None
+    # the encoder's bf16 attention rate / the bf16 GEMM rate of the same model (Whisper tiny.en; 1 = GEMM speed)
+    out["encoder_attention/gemm_bf16"] = results.attention.get("ratio")
     return {k: round(v, 3) for k, v in out.items() if v is not None}
 
 

@@ -412,6 +412,10 @@ class Bench:
         if not self.args.no_compose:
             self.results.compose = compose_serving()  # after every engine of ours stopped: the stack alone
         self.results.image = image_size_lines()
+        if self.plan.mode == "full":  # no engine resident: the kernels alone, on the same CPU as the rounds
+            from mmcpu_dev.bench import attention
+
+            self.results.attention = attention.headline()
         self.results.meta.loadavg_end, self.results.meta.elapsed_s = loadavg(), time.monotonic() - t0
         self.results.headline = headline(self.results)
         if gaps := missing(self.results):
