@@ -19,7 +19,8 @@ States
   conflict        none of the above (reason printed)
 
 Commands (exit status 0 = success, 1 = a patch is in a bad state, 2 = usage / environment error)
-  status  print states; exit 1 if any is conflict or missing-target
+  status  print states; exit 1 if any is conflict or missing-target. States are those `apply` of the same selection
+          would meet (decided in order on a scratch copy), so a patch may build on an earlier one of the series
   apply   apply pending patches in order and record them; idempotent. Stops at the first conflict /
           missing-target (exit 1); patches before it stay applied, each one whole.
   check   exit 0 only if every selected patch is applied or upstream
@@ -55,6 +56,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -496,11 +498,26 @@ def _print(p: Patch, st: Status, verbose: bool) -> None:
 
 
 def cmd_status(patches, runner, record, verbose) -> int:
+    """The states `apply` of the same selection would meet: decided in series order on a scratch copy of the
+    patched files where each pending patch is applied in turn, so a patch written on top of an earlier one reads
+    pending, not conflict. DIR is not touched."""
     bad = 0
-    for p in patches:
-        st = evaluate(p, runner, record)
-        bad += st.state in BAD_STATES
-        _print(p, st, verbose)
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-status-") as tmp:
+        scratch = Runner(runner.exe, Path(tmp))
+        for f in sorted({f for p in patches for f in p.all_files + [rel for rel, _ in p.probes()]}):
+            if (runner.site / f).is_file():
+                (scratch.site / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(runner.site / f, scratch.site / f)
+        for p in patches:
+            st = evaluate(p, scratch, record)
+            if st.state == PENDING:
+                ok, out = scratch.run(p.body, dry_run=False)
+                if not ok:  # cannot happen after a clean dry-run
+                    st = Status(CONFLICT, "patch failed on the scratch copy", _lines(out))
+            runner.exe = scratch.exe
+            st.reason = [ln.replace(str(scratch.site), str(runner.site)) for ln in st.reason]  # name DIR
+            bad += st.state in BAD_STATES
+            _print(p, st, verbose)
     return 1 if bad else 0
 
 

@@ -593,3 +593,43 @@ def test_status_and_check_need_no_gnu_patch_after_apply(site):
     r = subprocess.run([*tool, "status", "--site", str(s), "--patches", str(PATCHES), "--only", P_INPUTS],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "GNU patch not found" in r.stderr, r.stdout + r.stderr
+
+
+def test_a_patch_built_on_an_earlier_one(site, tmp_path):
+    """A patch whose context is an earlier patch's added lines: status decides states in order on a scratch copy,
+    so it reads pending on a pristine tree (as `apply` then meets it), and conflict when its base is not selected;
+    apply, check and revert take both in order. Status does not touch the tree."""
+    base = site(PROOF).rename(tmp_path / "a")  # 0003 applied: the new patch's "before"
+    s = site(PROOF)
+    pristine = snapshot(s)
+    assert run("apply", "--site", base, "--only", P_INPUTS).returncode == 0
+    before, original = (base / INPUTS).read_text(), (s / INPUTS).read_text()
+    body = next(p for p in series_patches(PROOF) if p.name == P_INPUTS).body
+    added = next(ln[1:] + "\n" for ln in body.splitlines()  # a line only 0003 brings
+                 if ln.startswith("+") and not ln.startswith("+++") and ln[1:].strip()
+                 and before.count(ln[1:] + "\n") == 1 and ln[1:] not in original)
+    (tmp_path / "b" / INPUTS).parent.mkdir(parents=True)
+    (tmp_path / "b" / INPUTS).write_text(before.replace(added, added.replace("\n", "  # on top of 0003\n")))
+    diff = subprocess.run(["diff", "-u", f"a/{INPUTS}", f"b/{INPUTS}"], cwd=tmp_path, capture_output=True,
+                          text=True)
+    assert diff.returncode == 1, diff.stderr
+    patches = tmp_path / "patches"
+    shutil.copytree(PATCHES, patches)
+    on_top = "0099-on-top.patch"
+    (patches / on_top).write_text("Subject: on top of 0003\nGroup: test\nUpstream: none\n\nSymptom: test.\n\n"
+                                  + diff.stdout)
+    series = patches / f"series-{PROOF}"
+    series.write_text(series.read_text() + on_top + "\n")
+
+    r = run("status", "--site", s, patches=patches)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert states(r.stdout) == {**{n: "pending" for n in SERIES[PROOF]}, on_top: "pending"}
+    assert snapshot(s) == pristine
+    r = run("status", "--site", s, "--only", on_top, patches=patches)
+    assert r.returncode == 1 and states(r.stdout) == {on_top: "conflict"}, r.stdout  # its base is not selected
+    r = run("apply", "--site", s, patches=patches)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert added.replace("\n", "  # on top of 0003\n") in (s / INPUTS).read_text()
+    assert run("check", "--site", s, patches=patches).returncode == 0
+    assert run("revert", "--site", s, patches=patches).returncode == 0
+    assert snapshot(s) == pristine
