@@ -20,6 +20,7 @@ it to MRV2 engines serving speech); the V1 runner has its own interface and neve
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,6 +45,22 @@ def request_args(timestamp_begin: int, eot: int, no_timestamps: int, max_initial
     """The ``extra_args`` entry that turns the rules on for one request (token ids of its tokenizer)."""
     return {KEY: {"timestamp_begin": int(timestamp_begin), "eot": int(eot), "no_timestamps": int(no_timestamps),
                   "max_initial": round(max_initial_s / 0.02)}}  # fmt: skip
+
+
+def seek_index(tokens: Sequence[int], timestamp_begin: int, eot: int) -> int | None:
+    """Where openai-whisper's transcribe loop resumes after decoding a window: the index of the window's last
+    timestamp token, when its tokens end unfinished - text with no closing timestamp, or a timestamp pair that
+    opens a segment whose text never came (the model leaves the rest of the window's speech to the next window).
+    None when they end with a lone closing timestamp (the window is done) or hold no timestamp. ``tokens`` are the
+    generated ones; an ``eot`` ends them."""
+    end = next((i for i, t in enumerate(tokens) if t == eot), len(tokens))
+    stamps = [i for i in range(end) if tokens[i] >= timestamp_begin]
+    if not stamps:
+        return None
+    last = stamps[-1]
+    if last == end - 1 and last >= 1 and tokens[last - 1] < timestamp_begin:
+        return None  # "... text <|t|>": closed
+    return last
 
 
 class WhisperTimestamps(LogitsProcessor):

