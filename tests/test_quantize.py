@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mmcpu import quantize
+from mmcpu import cpu, quantize
 from mmcpu.config import get_settings
 from mmcpu_dev import speech
 from mmcpu_dev.fixtures import whisper_int8
@@ -219,6 +219,12 @@ def tiny_en_int8(whisper_model: Path) -> Path:
     return dst
 
 
+VNNI = bool({"avx512_vnni", "amx_int8"} & set(cpu.current().flags))
+# Without VNNI, measured on an AMD EPYC Zen 3 (AVX2 + FMA only) on these layers: at most 1.1 % of the outputs off
+# exact int8 arithmetic, the worst by 0.142 of the output's range, 0.154 against the float layer (cosine >= 0.9977).
+OFF_MAX_NO_VNNI, WORST_NO_VNNI, FLOAT_WORST_NO_VNNI = 0.03, 0.25, 0.25
+
+
 def vllm_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
                      input_scale: torch.Tensor | None, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     """One linear through vLLM's own path: CompressedTensorsW8A8Int8 -> CPUInt8ScaledMMLinearKernel (oneDNN),
@@ -253,6 +259,9 @@ def test_vllm_int8_linear_matches_float(name: str, activations: str, tiny_en_int
     - against the float layer it is within int8's own error: cosine >= 0.995 and max error <= 5 % of the output's
       range (static per-tensor input scales are the coarser: the outlier channel sets every token's step; measured
       0.9978 / 4.9 % there, dynamic 0.9999). A transposed or misread weight gives a cosine near 0.
+
+    Exactness ends where the CPU has no VNNI (AVX2 only): oneDNN's int16 pair sums saturate, so a few outputs are
+    off by up to ~15 % of the range (bounds above the test); int8 is not the default there (mmcpu/cpu_defaults.json).
     """
     q, f = tensors(tiny_en_int8), tensors(whisper_model)
     weight, weight_scale, bias = q[f"{name}.weight"], q[f"{name}.weight_scale"], q.get(f"{name}.bias")
@@ -267,13 +276,21 @@ def test_vllm_int8_linear_matches_float(name: str, activations: str, tiny_en_int
     exact = (x_q.double() @ weight.double().T) * x_scale.double() * weight_scale.double().T
     exact = (exact + (bias.double() if bias is not None else 0)).float()
     span = exact.abs().max()
-    assert (out - exact).abs().max() <= 1e-5 * span
+    err = (out - exact).abs()
+    off = (err > 1e-5 * span).float().mean().item()
+    print(f"\n{name} {activations}: {off:.2%} of outputs off exact int8, the worst by {err.max() / span:.4f} of range")
+    if VNNI:
+        assert err.max() <= 1e-5 * span
+    else:
+        # Without VNNI (AVX2 only) oneDNN multiplies u8 x s8 with vpmaddubsw, which adds each pair of products in a
+        # saturating int16: where a pair exceeds +-32767 the sum clips, so a few outputs leave exact arithmetic.
+        assert off <= OFF_MAX_NO_VNNI and err.max() <= WORST_NO_VNNI * span
 
     reference = torch.nn.functional.linear(x, f[f"{name}.weight"].float(), f.get(f"{name}.bias"))
     cosine = torch.nn.functional.cosine_similarity(out.flatten(), reference.flatten(), dim=0)
     rel = (out - reference).abs().max() / reference.abs().max()
     print(f"\n{name} {activations}: cosine {cosine:.6f}, max error {rel:.4f} of range")
-    assert cosine >= 0.995 and rel <= 0.05
+    assert cosine >= 0.995 and rel <= (0.05 if VNNI else FLOAT_WORST_NO_VNNI)
 
 
 # --- bad input: one line, non-zero exit -------------------------------------------------------------------
