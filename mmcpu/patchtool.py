@@ -514,7 +514,6 @@ def cmd_status(patches, runner, record, verbose) -> int:
                 ok, out = scratch.run(p.body, dry_run=False)
                 if not ok:  # cannot happen after a clean dry-run
                     st = Status(CONFLICT, "patch failed on the scratch copy", _lines(out))
-            runner.exe = scratch.exe
             st.reason = [ln.replace(str(scratch.site), str(runner.site)) for ln in st.reason]  # name DIR
             bad += st.state in BAD_STATES
             _print(p, st, verbose)

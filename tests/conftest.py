@@ -83,12 +83,18 @@ def whisper_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def int8_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
+def int8_model(whisper_model: Path) -> Path:
     """The audio role's default checkpoint: tiny.en with int8 linears (mmcpu_dev.fixtures.whisper_int8)."""
     from mmcpu_dev.fixtures import whisper_int8
 
-    (int8,) = whisper_int8.build(whisper_model, whisper_model.parent, ("dynamic",))
-    engine = test_engine(int8, logs_dir, "mrv2-patched").start()
+    (int8,) = whisper_int8.build(whisper_model, SETTINGS.models_dir, ("dynamic",))
+    return int8
+
+
+@pytest.fixture(scope="session")
+def int8_engine(int8_model: Path, patched_vllm: Path, logs_dir: Path):
+    """The int8 checkpoint in the dtype the CPU's defaults give it."""
+    engine = test_engine(int8_model, logs_dir, "mrv2-patched").start()
     yield engine
     assert_native_then_stop(engine)
 

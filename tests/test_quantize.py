@@ -213,12 +213,6 @@ def test_vllm_reads_the_scheme(activations: str, dynamic_ckpt: Path, static_ckpt
 
 
 # --- the layout check: vLLM's CPU int8 linear on real layers against float --------------------------------
-@pytest.fixture(scope="module")
-def tiny_en_int8(whisper_model: Path) -> Path:
-    (dst,) = whisper_int8.build(whisper_model, SETTINGS.models_dir, ("dynamic",))
-    return dst
-
-
 VNNI = bool({"avx512_vnni", "amx_int8"} & set(cpu.current().flags))
 # Without VNNI, measured on an AMD EPYC Zen 3 (AVX2 + FMA only) on these layers: at most 1.1 % of the outputs off
 # exact int8 arithmetic, the worst by 0.142 of the output's range, 0.154 against the float layer (cosine >= 0.9977).
@@ -250,7 +244,7 @@ def vllm_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, bias: tor
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["model.encoder.layers.0.fc1", "model.decoder.layers.3.self_attn.v_proj"])
-def test_vllm_int8_linear_matches_float(name: str, activations: str, tiny_en_int8: Path, whisper_model: Path,
+def test_vllm_int8_linear_matches_float(name: str, activations: str, int8_model: Path, whisper_model: Path,
                                         monkeypatch: pytest.MonkeyPatch):
     """The weight-layout check, on tiny.en's real weights as the tool wrote them:
 
@@ -263,7 +257,7 @@ def test_vllm_int8_linear_matches_float(name: str, activations: str, tiny_en_int
     Exactness ends where the CPU has no VNNI (AVX2 only): oneDNN's int16 pair sums saturate, so a few outputs are
     off by up to ~15 % of the range (bounds above the test); int8 is not the default there (mmcpu/cpu_defaults.json).
     """
-    q, f = tensors(tiny_en_int8), tensors(whisper_model)
+    q, f = tensors(int8_model), tensors(whisper_model)
     weight, weight_scale, bias = q[f"{name}.weight"], q[f"{name}.weight_scale"], q.get(f"{name}.bias")
     torch.manual_seed(1)
     x = torch.randn(300, weight.shape[1])
@@ -385,10 +379,10 @@ def sentence_clips(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path,
 
 
 @pytest.fixture(scope="module")
-def int8_engine(tiny_en_int8: Path, patched_vllm: Path, logs_dir: Path):
-    engine = Engine(model=tiny_en_int8, log_path=logs_dir / f"{tiny_en_int8.name}-mrv2.log",
+def int8_float32_engine(int8_model: Path, patched_vllm: Path, logs_dir: Path):
+    engine = Engine(model=int8_model, log_path=logs_dir / f"{int8_model.name}-mrv2.log",
                     vllm_args=["--dtype", "float32"]).start()
-    print(f"\n[{tiny_en_int8.name} MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
+    print(f"\n[{int8_model.name} MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)
 
@@ -400,8 +394,8 @@ def transcribe(engine: Engine, clips: list[tuple[Path, str]]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_int8_engine_uses_vllm_int8_kernel(int8_engine: Engine):
-    log = int8_engine.log()
+def test_int8_engine_uses_vllm_int8_kernel(int8_float32_engine: Engine):
+    log = int8_float32_engine.log()
     assert MRV2_LOG_LINE in log
     assert "quantization=compressed-tensors" in log
     assert "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8" in log
@@ -409,8 +403,8 @@ def test_int8_engine_uses_vllm_int8_kernel(int8_engine: Engine):
 
 
 @pytest.mark.slow
-def test_int8_wer_within_bound_of_float32(int8_engine: Engine, sentence_clips: list[tuple[Path, str]]):
-    hyps = transcribe(int8_engine, sentence_clips)
+def test_int8_wer_within_bound_of_float32(int8_float32_engine: Engine, sentence_clips: list[tuple[Path, str]]):
+    hyps = transcribe(int8_float32_engine, sentence_clips)
     wer = speech.word_error_rate([t for _, t in sentence_clips], hyps)
     print(f"\nint8 WER {wer:.3f} (float32 {FLOAT32_WER:.3f}): {hyps}")
     assert all(h.strip() for h in hyps), hyps
@@ -418,6 +412,6 @@ def test_int8_wer_within_bound_of_float32(int8_engine: Engine, sentence_clips: l
 
 
 @pytest.mark.slow
-def test_int8_deterministic(int8_engine: Engine, sentence_clips: list[tuple[Path, str]]):
+def test_int8_deterministic(int8_float32_engine: Engine, sentence_clips: list[tuple[Path, str]]):
     clips = sentence_clips[:2]
-    assert transcribe(int8_engine, clips) == transcribe(int8_engine, clips)
+    assert transcribe(int8_float32_engine, clips) == transcribe(int8_float32_engine, clips)
