@@ -49,6 +49,11 @@ def wait_until_ok(url: str, proc: subprocess.Popen, timeout_s: float, what: str,
     raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s (log: {log_path})")
 
 
+# Every engine a process started, in order, with its ready time: tests/conftest.py prints them at the session's end,
+# since the engine starts are most of `make test`'s time (docs/ci.md).
+STARTS: list[tuple[str, float]] = []
+
+
 @dataclass
 class Engine:
     model: Path
@@ -125,6 +130,7 @@ class Engine:
             self.stop()
             raise
         self.ready_s = time.monotonic() - t0
+        STARTS.append((self.log_path.stem, self.ready_s))
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -166,6 +172,15 @@ def test_engine(model: Path, logs_dir: Path, tag: str, **kwargs: Any) -> Engine:
 
 
 test_engine.__test__ = False  # a builder, not a pytest test
+
+
+def served_dtype(model: Path) -> str:
+    """The dtype an Engine serves ``model`` in on this CPU without MMCPU_DTYPE (mmcpu-serve's choice from the per-CPU
+    table): a test that needs a float32 engine can take a session's engine when this is float32, not start another."""
+    from mmcpu import launch
+    from mmcpu.config import get_settings
+
+    return launch.EngineSpec("engine", str(model), 0).choose(get_settings(), from_table=False).dtype
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import pytest
 
 from mmcpu_dev import lines, speech, wheels
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings
-from mmcpu_dev.servers import assert_native_then_stop, test_engine
+from mmcpu_dev.servers import STARTS, assert_native_then_stop, test_engine
 
 SETTINGS = get_settings()
 PROOF_SERIES = lines.REPO / "patches" / f"series-{lines.PROOF}"
@@ -153,3 +153,11 @@ def unpatched_vllm(proof_python: Path) -> Path:
     return overlay
 
 
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The session's engine starts and their ready times: the figure that decides the suite's wall time."""
+    if STARTS:
+        terminalreporter.section(f"{len(STARTS)} engine starts, {sum(s for _, s in STARTS):.0f} s until ready")
+        for name, ready_s in STARTS:
+            terminalreporter.write_line(f"{ready_s:7.1f} s  {name}")

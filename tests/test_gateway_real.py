@@ -75,11 +75,10 @@ def finished_requests(engine: Engine) -> float:
                for s in f.samples if s.name == "vllm:request_success_total")
 
 
-def test_two_audio_engines_routed_by_model(whisper_engine, clips, logs_dir):
-    """Two Whisper engines (same weights, other served name) behind one URL: each model reaches its own engine."""
-    second = Engine(model=whisper_engine.model, served_model_name=f"{whisper_engine.name}-second",
-                    log_path=logs_dir / f"{whisper_engine.name}-second.log")
-    second.start()
+def test_two_audio_engines_routed_by_model(whisper_engine, int8_engine, clips):
+    """Two Whisper engines behind one URL (tiny.en and its int8 sibling, the session's): each model reaches its own
+    engine."""
+    second = int8_engine
     served = ServedApp(create_app(Settings(engines=f"first={whisper_engine.base_url},second={second.base_url}")))
     try:
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -95,4 +94,3 @@ def test_two_audio_engines_routed_by_model(whisper_engine, clips, logs_dir):
         assert [b - a for a, b in zip(before, after, strict=True)] == [sent[e.name] for e in engines]
     finally:
         served.stop()
-        second.stop()

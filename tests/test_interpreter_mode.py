@@ -18,7 +18,7 @@ import pytest
 
 from mmcpu.config import VISION_LIMIT_ARGS
 from mmcpu_dev.payloads import image_chat_kwargs, test_image
-from mmcpu_dev.servers import Engine
+from mmcpu_dev.servers import Engine, served_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -106,9 +106,12 @@ SEEDED = {
 }
 
 
-def test_seeded_sampling_matches_the_native_kernels(interpreter_engine, llava_model, logs_dir):
-    native = Engine(model=llava_model, log_path=logs_dir / "tiny-llava-mrv2-native-f32.log",
-                    vllm_args=VISION_LIMIT_ARGS, env={"MMCPU_KERNELS": "native", "MMCPU_DTYPE": "float32"}).start()
+def test_seeded_sampling_matches_the_native_kernels(interpreter_engine, llava_model, logs_dir, request):
+    # The session's vision engine is native; where this CPU serves it in float32 it is the reference itself.
+    shared = served_dtype(llava_model) == "float32"
+    native = request.getfixturevalue("llava_engine") if shared else Engine(
+        model=llava_model, log_path=logs_dir / "tiny-llava-mrv2-native-f32.log", vllm_args=VISION_LIMIT_ARGS,
+        env={"MMCPU_KERNELS": "native", "MMCPU_DTYPE": "float32"}).start()
     try:
         for name, sampling in SEEDED.items():
             want = [(c.message.content, c.finish_reason) for c in chat(interpreter_engine, **sampling).choices]
@@ -116,5 +119,6 @@ def test_seeded_sampling_matches_the_native_kernels(interpreter_engine, llava_mo
             assert got == want, name
         counts = native.kernel_counts()
     finally:
-        native.stop()
+        if not shared:
+            native.stop()
     assert counts.native["_gumbel_sample_kernel"] > 0 and not counts.interpreted, dict(counts.interpreted)

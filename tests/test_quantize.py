@@ -18,7 +18,7 @@ from mmcpu.config import get_settings
 from mmcpu_dev import speech
 from mmcpu_dev.fixtures import whisper_int8
 from mmcpu_dev.payloads import transcription_kwargs
-from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop
+from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop, served_dtype
 
 SETTINGS = get_settings()
 ROOT = Path(__file__).resolve().parent.parent
@@ -379,7 +379,10 @@ def sentence_clips(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path,
 
 
 @pytest.fixture(scope="module")
-def int8_float32_engine(int8_model: Path, patched_vllm: Path, logs_dir: Path):
+def int8_float32_engine(int8_model: Path, patched_vllm: Path, logs_dir: Path, request: pytest.FixtureRequest):
+    if served_dtype(int8_model) == "float32":  # this CPU's default: the session's int8 engine is this one
+        yield request.getfixturevalue("int8_engine")
+        return
     engine = Engine(model=int8_model, log_path=logs_dir / f"{int8_model.name}-mrv2.log",
                     vllm_args=["--dtype", "float32"]).start()
     print(f"\n[{int8_model.name} MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
