@@ -118,6 +118,7 @@ def test_forced_avx2_build_falls_back_to_the_paged_kernel():
         import torch
         torch.cpu._is_avx512_supported = lambda: False
         torch.cpu._is_avx512_bf16_supported = lambda: False
+        torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's paged kernel would pick its AMX ISA on a Xeon
         import vllm._custom_ops
         from mmcpu import attention as A, cpu
         assert cpu.loaded_vllm_c() == ["_C_AVX2.abi3.so"], cpu.loaded_vllm_c()
