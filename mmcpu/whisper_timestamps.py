@@ -12,6 +12,11 @@ them lose words. The rules, per request, on the tokens generated so far:
 - timestamps never decrease, and a segment has a non-zero length;
 - when the total probability of all timestamps exceeds that of the most likely text token, a timestamp is forced.
 
+With a ``text`` (token ids), the text is forced: each text token must be the next one of it, the end cannot
+come before all of it, and no text after it - so the model only chooses where the timestamps go. The serving
+times json's own decoding of a window this way (patches/0027), so verbose_json, srt and vtt carry exactly json's
+words.
+
 Only requests whose ``SamplingParams.extra_args`` carry :data:`KEY` (set by the speech-to-text serving for its
 timestamped formats: verbose_json, srt, vtt) are touched; :meth:`add_request` declines every other request, so
 they pay nothing. Loaded with ``--logits-processors mmcpu.whisper_timestamps:WhisperTimestamps`` (mmcpu.launch adds
@@ -41,10 +46,15 @@ FIELDS = ("timestamp_begin", "eot", "no_timestamps", "max_initial")
 NUM_TIMESTAMPS = 1501  # <|0.00|> .. <|30.00|>
 
 
-def request_args(timestamp_begin: int, eot: int, no_timestamps: int, max_initial_s: float = 1.0) -> dict[str, Any]:
-    """The ``extra_args`` entry that turns the rules on for one request (token ids of its tokenizer)."""
-    return {KEY: {"timestamp_begin": int(timestamp_begin), "eot": int(eot), "no_timestamps": int(no_timestamps),
-                  "max_initial": round(max_initial_s / 0.02)}}  # fmt: skip
+def request_args(timestamp_begin: int, eot: int, no_timestamps: int, max_initial_s: float = 1.0,
+                 text: Sequence[int] | None = None) -> dict[str, Any]:
+    """The ``extra_args`` entry that turns the rules on for one request (token ids of its tokenizer); ``text``: the
+    text tokens to force, in order (tokens at or above ``eot`` are not text and are left out)."""
+    args: dict[str, Any] = {"timestamp_begin": int(timestamp_begin), "eot": int(eot),
+                            "no_timestamps": int(no_timestamps), "max_initial": round(max_initial_s / 0.02)}
+    if text is not None:
+        args["text"] = [int(t) for t in text if t < eot]
+    return {KEY: args}
 
 
 def seek_index(tokens: Sequence[int], timestamp_begin: int, eot: int) -> int | None:
@@ -69,6 +79,7 @@ class WhisperTimestamps(LogitsProcessor):
         # Per request slot: on/off and its token ids (host arrays; the batch's rows are gathered per step).
         self.active = np.zeros(req_states.max_num_reqs, dtype=bool)
         self.ids = np.zeros((req_states.max_num_reqs, len(FIELDS)), dtype=np.int64)
+        self.forced: list[torch.Tensor | None] = [None] * req_states.max_num_reqs  # a slot's text to force
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -77,6 +88,10 @@ class WhisperTimestamps(LogitsProcessor):
             return
         if not isinstance(args, dict) or any(not isinstance(args.get(f), int) or args[f] < 0 for f in FIELDS):
             raise ValueError(f"extra_args[{KEY!r}] must map {', '.join(FIELDS)} to non-negative token ids")
+        text = args.get("text")
+        if text is not None and (not isinstance(text, list)
+                                 or any(not isinstance(t, int) or not 0 <= t < args["eot"] for t in text)):
+            raise ValueError(f"extra_args[{KEY!r}]['text'] must be a list of text token ids (below eot)")
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         args = (sampling_params.extra_args or {}).get(KEY)
@@ -84,6 +99,8 @@ class WhisperTimestamps(LogitsProcessor):
         if args is None:
             return False
         self.ids[req_idx] = [args[f] for f in FIELDS]
+        text = args.get("text")
+        self.forced[req_idx] = None if text is None else torch.tensor(text, dtype=torch.long)
         return True
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
@@ -127,6 +144,7 @@ class WhisperTimestamps(LogitsProcessor):
         # The first token: a timestamp within max_initial of the window's start.
         first = (n_gen == 0)[:, None]
         banned |= first & (~is_ts | (v > tb + max_initial))
+        banned |= self._forced_text_bans(slots, generated & (hist < eot), v, eot)
 
         sub = logits[rows].masked_fill(banned, float("-inf"))
         logprobs = torch.log_softmax(sub, dim=-1)
@@ -135,3 +153,21 @@ class WhisperTimestamps(LogitsProcessor):
         force = (ts_logprob > text_logprob)[:, None] & (v < tb)
         logits[rows] = sub.masked_fill(force, float("-inf"))
         return logits
+
+    def _forced_text_bans(self, slots: torch.Tensor, text_so_far: torch.Tensor, v: torch.Tensor,
+                          eot: torch.Tensor) -> torch.Tensor | bool:
+        """Rows with a forced text: while some is left, every text token but its next one, and the end; after it,
+        all text. ``text_so_far``: the rows' generated text tokens (mask over their history)."""
+        forced = [self.forced[s] for s in slots.tolist()]
+        if all(f is None for f in forced):
+            return False
+        done = text_so_far.sum(dim=1).tolist()
+        nxt = torch.full((len(forced), 1), -1, dtype=torch.long, device=v.device)  # -1: no text may come
+        rows = torch.zeros((len(forced), 1), dtype=torch.bool, device=v.device)
+        for i, (f, k) in enumerate(zip(forced, done, strict=True)):
+            if f is not None:
+                rows[i] = True
+                if k < len(f):
+                    nxt[i] = f[k]
+        left = nxt >= 0
+        return rows & (((v < eot) & (v != nxt)) | (left & (v == eot)))

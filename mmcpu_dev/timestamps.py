@@ -77,17 +77,24 @@ def transcribe(base_url: str, model: str, path: Path, response_format: str, **fi
 
 
 def measure(base_url: str, model: str, clips: list[tuple[str, Path, float]], **fields: object) -> list[dict]:
-    """Per clip: its words in json, and how many of them verbose_json (segments), srt and vtt keep."""
+    """Per clip: its words in json, how many of them verbose_json (segments), srt and vtt keep, and the json and
+    verbose_json requests' wall times (one request at a time)."""
+    import time
+
     rows = []
     for name, path, seconds in clips:
+        t0 = time.perf_counter()
         plain = transcribe(base_url, model, path, "json", **fields)["text"]
+        t1 = time.perf_counter()
         verbose = transcribe(base_url, model, path, "verbose_json", **fields)
+        t2 = time.perf_counter()
         segments = " ".join(s["text"] for s in verbose.get("segments") or [])
         rows.append({
             "clip": name, "seconds": round(seconds, 1), "json_words": len(words(plain)),
             "verbose_json": kept(plain, segments), "segments": len(verbose.get("segments") or []),
             "srt": kept(plain, srt_text(transcribe(base_url, model, path, "srt", **fields))),
             "vtt": kept(plain, vtt_text(transcribe(base_url, model, path, "vtt", **fields))),
+            "json_s": round(t1 - t0, 2), "verbose_json_s": round(t2 - t1, 2),
         })  # fmt: skip
     return rows
 

@@ -36,8 +36,11 @@ def ask(engine, prompt: str, images=(), **kwargs) -> str:
     return reply.choices[0].message.content
 
 
+# "What is the capital of France?" alone is a near tie for the first token ("The" -1.86 against "L" -1.96 in
+# float32, measured on an Intel Xeon with AMX), which bf16 rounding there flips into a French ramble: the question
+# asks for the word, a clear margin in both dtypes ("The" -1.3, the next -2.9).
 @pytest.mark.parametrize(("question", "word"), [
-    ("What is the capital of France?", "paris"),
+    ("Answer in one word: what is the capital of France?", "paris"),
     ("What colour is the sky on a clear day?", "blue"),
 ])
 def test_factual_question_gets_a_sensible_answer(smol_engine, question, word):
