@@ -2,6 +2,8 @@
 #   make image            patched runtime image $(IMAGE) (BuildKit; starts an engine / seeds the base if needed)
 #   make image-unpatched  the same without the three upstream seed patches: $(IMAGE_UNPATCHED)
 #   make image-smoke      the compose smoke client $(IMAGE_SMOKE)
+#   make images           engine + base image, then the three images, each only when missing or stale (what
+#                         make e2e does first; CI runs it beside make test)
 #   make e2e              bash (scripts/docker-e2e images): engine + base image, all three images; then pytest
 #                         (tests/e2e, marker e2e): no CA in any layer, runtime non-root and without compilers, then
 #                         compose.yaml + compose.test.yaml: the patched stack must pass the smoke, heal from the
@@ -29,7 +31,7 @@ E2E_PYTEST_ARGS ?=
 E2E_PYTEST = $(PY) -m pytest tests/e2e -m e2e -v -o log_cli=true --log-cli-level=INFO \
              --log-cli-format='[e2e %(asctime)s] %(message)s' --log-cli-date-format=%H:%M:%S
 
-.PHONY: docker-prepare image image-unpatched image-smoke e2e up down docker-engine-stop
+.PHONY: docker-prepare image image-unpatched image-smoke images e2e up down docker-engine-stop
 docker-prepare:
 	scripts/docker-e2e prepare
 
@@ -41,6 +43,9 @@ image-unpatched: docker-prepare
 
 image-smoke: docker-prepare
 	$(E2E_ENV) scripts/docker-e2e build smoke
+
+images:
+	$(E2E_ENV) scripts/docker-e2e images
 
 # One shell: the figures are printed (with the total) whatever the tests' result, which is make's.
 e2e:
