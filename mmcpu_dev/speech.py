@@ -19,6 +19,17 @@ SENTENCES = [
     "We will meet at the train station at nine in the morning.",
 ]
 
+# More plain sentences, for WER comparisons that must tell a real loss from one word flipped (two models on five
+# short clips differ by a few words by chance alone). Kept out of SENTENCES, which the benchmark workload and the
+# timestamp clips are built from, so their figures stay comparable.
+MORE_SENTENCES = [
+    "The children played in the park until the sun went down.",
+    "Could you open the window and let some fresh air into the room?",
+    "My grandmother grows tomatoes and beans in her small garden.",
+    "The last bus leaves the old town late in the evening.",
+    "He wrote a long letter to his friend who lives in Canada.",
+]
+
 # One passage per language for multilingual Whisper (tests/test_multilingual.py), spoken by espeak-ng's voice of
 # that language with its "m3" variant (``de+m3``) at PASSAGE_SPEED. Chosen by measurement on whisper-base (real
 # weights), because espeak-ng's non-English voices are poor: single short sentences, or the plain voices at other
@@ -47,8 +58,9 @@ def synthesize(text: str, out: Path, *, speed: int = 130, voice: str | None = No
         voice_args = ["-v", voice] if voice else []
         subprocess.run(["espeak-ng", *voice_args, "-s", str(speed), "-w", str(raw), text], check=True,
                        capture_output=True)
+        # -R: no dither when sox lowers the bit depth after resampling, so the same text is the same samples
         subprocess.run(
-            ["sox", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(out)], check=True, capture_output=True
+            ["sox", "-R", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(out)], check=True, capture_output=True
         )
     return out
 

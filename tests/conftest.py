@@ -156,7 +156,11 @@ def unpatched_vllm(proof_python: Path) -> Path:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The session's engine starts and their ready times: the figure that decides the suite's wall time."""
+    """The CPU (figures and defaults differ by it), the session's engine starts and their ready times: the figure
+    that decides the suite's wall time."""
+    from mmcpu import cpu
+
+    terminalreporter.write_line(f"CPU: {cpu.current().line()}")
     if STARTS:
         terminalreporter.section(f"{len(STARTS)} engine starts, {sum(s for _, s in STARTS):.0f} s until ready")
         for name, ready_s in STARTS:

@@ -366,16 +366,18 @@ def test_console_script():
 
 
 # --- slow: the int8 tiny.en served by one real MRV2 engine -------------------------------------------------
-# float32 tiny.en over speech.SENTENCES with this engine setup (MRV2 native, --dtype float32, language=en), measured
-# 2026-12-01: WER 0.214 (int8 dynamic: 0.250). The bound leaves room for the int8 rounding's word flips on 5 clips.
-FLOAT32_WER = 0.214
+# The reference is the same tiny.en unquantised, served by this session's engine on this CPU and scored on the same
+# clips: a fixed WER measured once on one CPU would judge another CPU's kernels by it. int8 flips a few words on
+# espeak speech (Intel Xeon with AMX, 2026-12-03: int8 0.250 on the five SENTENCES, 14 of 56 words); ten clips
+# and a margin of 0.08 (~9 of 110 words) tell such flips from a real loss.
 WER_MARGIN = 0.08
 
 
 @pytest.fixture(scope="module")
 def sentence_clips(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, str]]:
     out = tmp_path_factory.mktemp("sentences")
-    return [(speech.synthesize(text, out / f"s{i}.wav"), text) for i, text in enumerate(speech.SENTENCES)]
+    texts = speech.SENTENCES + speech.MORE_SENTENCES
+    return [(speech.synthesize(text, out / f"s{i}.wav"), text) for i, text in enumerate(texts)]
 
 
 @pytest.fixture(scope="module")
@@ -406,12 +408,14 @@ def test_int8_engine_uses_vllm_int8_kernel(int8_float32_engine: Engine):
 
 
 @pytest.mark.slow
-def test_int8_wer_within_bound_of_float32(int8_float32_engine: Engine, sentence_clips: list[tuple[Path, str]]):
-    hyps = transcribe(int8_float32_engine, sentence_clips)
-    wer = speech.word_error_rate([t for _, t in sentence_clips], hyps)
-    print(f"\nint8 WER {wer:.3f} (float32 {FLOAT32_WER:.3f}): {hyps}")
+def test_int8_wer_within_bound_of_unquantised(int8_float32_engine: Engine, whisper_engine: Engine,
+                                              sentence_clips: list[tuple[Path, str]]):
+    refs = [t for _, t in sentence_clips]
+    hyps, unquantised = transcribe(int8_float32_engine, sentence_clips), transcribe(whisper_engine, sentence_clips)
+    wer, reference = speech.word_error_rate(refs, hyps), speech.word_error_rate(refs, unquantised)
+    print(f"\nint8 WER {wer:.3f}, unquantised ({served_dtype(whisper_engine.model)}) {reference:.3f}: {hyps}")
     assert all(h.strip() for h in hyps), hyps
-    assert wer <= FLOAT32_WER + WER_MARGIN
+    assert wer <= reference + WER_MARGIN, (hyps, unquantised)
 
 
 @pytest.mark.slow
