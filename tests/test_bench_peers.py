@@ -236,3 +236,45 @@ def test_peer_reads_the_workloads_wavs_as_float32(tmp_path):
     soundfile.write(str(tmp_path / "b.wav"), x, 8000, subtype="PCM_16")
     with pytest.raises(ValueError, match="16 kHz"):
         peer.read_wav(str(tmp_path / "b.wav"))
+
+
+class _FakePeer:
+    """A peer process stand-in: answers rounds, or dies as a crashing peer does (runners.Peer's RuntimeError)."""
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        self.crash_at, self.stopped = crash_at, False
+
+    def audio_round(self, clips, concurrency, threads, workers, batch=0):
+        from mmcpu_dev.bench.stats import Round, Sample
+
+        if self.crash_at is not None and concurrency >= self.crash_at:
+            raise RuntimeError("whisper.cpp q8_0, whisper-tiny.en died (signal SIGSEGV): nothing on stderr")
+        return Round(concurrency, 1.0, [Sample(0.5, c.seconds, c.text, None, "audio", c.text) for c in clips])
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_peer_that_crashes_mid_search_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from mmcpu_dev.bench import run
+    from mmcpu_dev.bench.inputs import Clip
+
+    config_only(tmp_path / "whisper-tiny.en")
+    plan = plans.build("quick", Settings(models_dir=tmp_path), variants=[], lines=False)
+    bench = object.__new__(run.Bench)
+    bench.plan, bench.args, bench.results = plan, SimpleNamespace(no_profile=True), _results(plan)
+    crashing, healthy = _FakePeer(crash_at=4), _FakePeer()
+    bench.peers = {"wcpp_q8_0": {"default": crashing}, "ov_int8": {"default": healthy}}
+    quiet = {"loadavg_1m": 0.1, "foreign_cores": 0.0, "flagged": False}
+    monkeypatch.setattr(run, "undisturbed", lambda take, what: (take(), quiet))
+    clips = [Clip(path=tmp_path / f"{i}.wav", seconds=2.0, text="a b c", name=f"c{i}") for i in range(8)]
+    bench.fw_search(clips)
+    assert set(bench.peers) == {"ov_int8"} and crashing.stopped and not healthy.stopped
+    error = bench.results.systems["wcpp_q8_0"].error
+    assert "configuration search" in error and "SIGSEGV" in error
+    assert bench.results.systems["ov_int8"].error is None
+    assert set(bench.results.systems["ov_int8"].fw_best) == set(plan.levels_of("ov_int8"))
+    md = report.render(bench.results)
+    assert "SIGSEGV" in md.split("Not measured in this run")[1]

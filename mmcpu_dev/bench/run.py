@@ -258,26 +258,45 @@ class Bench:
         than requests in flight change nothing), faster-whisper's also with each ISA forced, on every
         fw_search_every-th request; the best throughput wins."""
         subset = clips[:: self.plan.fw_search_every]
-        for key, procs in self.peers.items():
-            for c in self.plan.levels_of(key):
-                rows = []
-                for isa, peer in procs.items():
-                    for t, w in [g for g in self.plan.fw_grid if g[1] <= c] or self.plan.fw_grid[:1]:
-                        fn = lambda t=t, w=w, c=c, peer=peer: peer.audio_round(subset, c, t, w)  # noqa: E731
-                        s = self.measured("search", "", key + ("" if isa == "default" else f"@{isa}"), c,
-                                          fn).summary()  # fmt: skip
-                        rows.append(SearchRow(system=key, concurrency=c, cpu_threads=t, num_workers=w,
-                                              throughput=s.throughput, p50_s=s.p50_s, failures=s.failures,
-                                              isa=None if isa == "default" else isa))  # fmt: skip
-                best = max(rows, key=lambda r: (r.failures == 0, r.throughput or 0))
-                best.chosen = True
-                res = self.results.systems[key]
-                res.fw_best[c] = (best.cpu_threads, best.num_workers)
-                if best.isa:
-                    res.fw_isa[c] = best.isa
-                self.results.fw_search += rows
-                log(f"search {key} c={c}: cpu_threads={best.cpu_threads} num_workers={best.num_workers}"
-                    f"{' ' + best.isa if best.isa else ''} won")
+        for key, procs in list(self.peers.items()):
+            try:
+                self.search_peer(key, procs, subset)
+            except RuntimeError as exc:  # a peer that crashes is reported with its error, the run goes on
+                self.drop_peer(key, f"died in its configuration search: {exc}")
+
+    def drop_peer(self, key: str, error: str) -> None:
+        """A peer that failed mid-run: its error goes into the report (never dropped quietly), its processes stop
+        and it leaves the later phases."""
+        res = self.results.systems[key]
+        res.error = error[:1500]
+        log(f"{key} FAILED: {res.error}")
+        for peer in self.peers.pop(key, {}).values():
+            try:
+                peer.stop()
+            except Exception as exc:  # noqa: BLE001 - it may be dead already
+                log(f"stopping {key}: {exc}")
+
+    def search_peer(self, key: str, procs: dict[str, Peer], subset: list[inputs.Clip]) -> None:
+        """One peer's grid at each of its levels; the best throughput without failures wins."""
+        for c in self.plan.levels_of(key):
+            rows = []
+            for isa, peer in procs.items():
+                for t, w in [g for g in self.plan.fw_grid if g[1] <= c] or self.plan.fw_grid[:1]:
+                    fn = lambda t=t, w=w, c=c, peer=peer: peer.audio_round(subset, c, t, w)  # noqa: E731
+                    s = self.measured("search", "", key + ("" if isa == "default" else f"@{isa}"), c,
+                                      fn).summary()  # fmt: skip
+                    rows.append(SearchRow(system=key, concurrency=c, cpu_threads=t, num_workers=w,
+                                          throughput=s.throughput, p50_s=s.p50_s, failures=s.failures,
+                                          isa=None if isa == "default" else isa))  # fmt: skip
+            best = max(rows, key=lambda r: (r.failures == 0, r.throughput or 0))
+            best.chosen = True
+            res = self.results.systems[key]
+            res.fw_best[c] = (best.cpu_threads, best.num_workers)
+            if best.isa:
+                res.fw_isa[c] = best.isa
+            self.results.fw_search += rows
+            log(f"search {key} c={c}: cpu_threads={best.cpu_threads} num_workers={best.num_workers}"
+                f"{' ' + best.isa if best.isa else ''} won")
 
     def fw_round(self, key: str, clips: list[inputs.Clip], c: int, batch: int = 0) -> Round:
         res = self.results.systems[key]
@@ -308,7 +327,16 @@ class Bench:
                     prof = None
                     if system.ours and who == system.key and rep == 0 and c in (levels[0], levels[-1]):
                         prof = (f"Whisper transcription, {system.label}, concurrency {c}", eng)
-                    rnd = self.measured("audio", system.key, who, c, lambda who=who, c=c: players[who](c), prof)
+                    if who not in players:
+                        continue
+                    try:
+                        rnd = self.measured("audio", system.key, who, c, lambda who=who, c=c: players[who](c), prof)
+                    except RuntimeError as exc:
+                        if who == system.key:
+                            raise
+                        self.drop_peer(who, f"died in the {system.key} phase at c={c}: {exc}")
+                        players.pop(who)
+                        continue
                     self.audio[who][c].append(rnd)
                     self.paired[system.key][who][c].append(rnd)
         if system.ours:  # long files one at a time: ours, faster-whisper int8 (plain, batched), interleaved

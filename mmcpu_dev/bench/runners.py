@@ -99,7 +99,9 @@ class Peer:
         if not line:
             self.log.flush()
             tail = [ln for ln in Path(self.log.name).read_text(errors="replace").splitlines() if ln.strip()][-3:]
-            raise RuntimeError(f"{self.what} exited with {self.proc.wait()}: {' | '.join(tail)[-600:]}")
+            rc = self.proc.wait()
+            how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
+            raise RuntimeError(f"{self.what} died ({how}): {' | '.join(tail)[-600:] or 'nothing on stderr'}")
         return json.loads(line)
 
     @property
