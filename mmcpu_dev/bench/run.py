@@ -324,11 +324,11 @@ class Bench:
             order = list(players)[n % len(players):] + list(players)[: n % len(players)]
             for who in order:
                 for rep in range(system.reps or self.plan.reps):
+                    if who not in players:  # a peer that died in an earlier round
+                        continue
                     prof = None
                     if system.ours and who == system.key and rep == 0 and c in (levels[0], levels[-1]):
                         prof = (f"Whisper transcription, {system.label}, concurrency {c}", eng)
-                    if who not in players:
-                        continue
                     try:
                         rnd = self.measured("audio", system.key, who, c, lambda who=who, c=c: players[who](c), prof)
                     except RuntimeError as exc:
