@@ -39,6 +39,7 @@ class Candidate(BaseModel):
     choice: Choice
     throughput: dict[int, float]  # concurrency -> audio-s/s (audio) or requests/s (vision)
     wer: float | None = None  # audio only
+    error: str | None = None  # the candidate could not serve the workload (e.g. its engine died): never picked
 
 
 class Row(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,28 +39,60 @@ def candidates(role: str, settings: Settings, isa: str) -> list[tuple[Choice, Pa
     return out
 
 
+def death(engine: Engine, what: str) -> str:
+    """Why a candidate's engine stopped serving, in one line: the log's fatal line (e.g. "Fatal Python error:
+    Illegal instruction") if it has one, else ``what`` (the failed request's error)."""
+    lines = engine.log().splitlines()
+    for pattern in FATAL:  # most telling first: a signal's report beats the exception it caused downstream
+        if hit := next((ln.strip() for ln in lines if pattern.search(ln)), None):
+            return f"{what}; engine log: {hit[:300]}"
+    return what
+
+
+FATAL = [re.compile(p) for p in (r"Fatal Python error", r"Segmentation fault|Illegal instruction|Aborted",
+                                 r"EngineCore.*(died|failed|dead)", r"^\S*Error: ")]
+
+
 def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path) -> list[Candidate]:
+    """Every candidate's figures; a candidate whose engine does not start or fails a request is recorded with
+    its error (``Candidate.error``, never picked) and leaves the rotation: one broken kernel on one CPU must not
+    hide what the others measured."""
     found = candidates(role, settings, isa)
     _, extra, _ = plans.role_engine(role, settings)
     role_args = [x for o, v in plans.pairs(extra) if o != "--dtype" for x in (o, v) if x is not None]
     engines: dict[str, Engine] = {}
+    failed: dict[str, str] = {}
+    keys = [f"{choice.dtype}-{choice.quantization}" for choice, _ in found]
+
+    def fail(key: str, what: str) -> None:
+        failed[key] = death(engines[key], what) if key in engines else what
+        log(f"{role} {key}: dropped: {failed[key]}")
+        if key in engines:
+            engines.pop(key).stop()
+
     try:
-        for choice, model in found:
-            key = f"{choice.dtype}-{choice.quantization}"
+        for (choice, model), key in zip(found, keys, strict=True):
             log(f"{role}: starting {key} ({model.name})")
-            engines[key] = Engine(model, logs / f"defaults-{role}-{key}.log",
-                                  vllm_args=[*role_args, "--dtype", choice.dtype]).start()
+            eng = Engine(model, logs / f"defaults-{role}-{key}.log", vllm_args=[*role_args, "--dtype", choice.dtype])
+            try:
+                engines[key] = eng.start()
+            except Exception as e:  # noqa: BLE001 - recorded as the candidate's error
+                failed[key] = death(eng, f"did not start: {str(e).splitlines()[0][:300]}")
+                log(f"{role} {key}: dropped: {failed[key]}")
         clips = inputs.clips(plans.workload(), settings.cache_dir / "bench" / "clips")
         chats = vision_requests(48)  # 48: a round of the benchmark's 16 takes ~1 s, too short against the noise
         https = {k: Http(e.base_url, audio_model=e.name, vision_model=e.name) for k, e in engines.items()}
-        for http in https.values():  # the first request pays lazy initialisation; it is not timed
-            http.transcribe(clips[0]) if role == "audio" else http.chat([test_image(1)])
+        for key, http in https.items():  # the first request pays lazy initialisation; it is not timed
+            try:
+                http.transcribe(clips[0]) if role == "audio" else http.chat([test_image(1)])
+            except Exception as e:  # noqa: BLE001 - recorded as the candidate's error
+                fail(key, f"first request failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
         rounds: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
-        keys = list(engines)
         for n, c in enumerate(LEVELS[role]):
             for rep in range(reps):
-                shift = (n * reps + rep) % len(keys)
-                for key in keys[shift:] + keys[:shift]:
+                live = [k for k in keys if k in engines]
+                shift = (n * reps + rep) % max(len(live), 1)
+                for key in live[shift:] + live[:shift]:
                     http = https[key]
                     rnd, load = undisturbed(lambda http=http, c=c: http.audio_round(clips, c) if role == "audio"
                                             else http.vision_round(chats, c), f"{role} {key} c={c}")  # fmt: skip
@@ -68,13 +101,17 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
                         f"{'audio-s/s' if role == 'audio' else 'rps'} (load {load['loadavg_1m']}, foreign "
                         f"{load['foreign_cores']} cores)")
                     if s.failures:
-                        raise RuntimeError(f"{role} {key}: {s.failures} failures: {s.errors}")
+                        fail(key, f"{s.failures} of {s.n} requests failed at c={c}: {s.errors}")
+                        continue
                     rounds[key][c].append(rnd)
     finally:
         for eng in engines.values():
             eng.stop()
     out = []
-    for (choice, _), key in zip(found, engines, strict=True):
+    for (choice, _), key in zip(found, keys, strict=True):
+        if key in failed:
+            out.append(Candidate(choice=choice, throughput={}, error=failed[key]))
+            continue
         merged = {c: merge_rounds(rs) for c, rs in rounds[key].items()}
         metric = "throughput" if role == "audio" else "rps"
         samples = [s for rs in rounds[key].values() for r in rs for s in r.samples]
@@ -95,12 +132,18 @@ def run(reps: int, dry_run: bool = False, roles: tuple[str, ...] = ("audio", "vi
         raise SystemExit(f"error: the {info.isa} row has no measured {', '.join(missing)} candidates to keep")
     measured = {role: measure_role(role, settings, info.isa, reps, logs) if role in roles else kept[role]
                 for role in ("audio", "vision")}  # fmt: skip
-    chosen = {role: pick(role, cands) for role, cands in measured.items()}
     ref = next(c for c in measured["audio"] if c.choice == Choice(dtype="float32"))
+    if ref.error:
+        raise SystemExit(f"error: the audio role's float32 reference failed, nothing to hold the others against: "
+                         f"{ref.error}")
+    chosen = {role: pick(role, cands) for role, cands in measured.items()}
     lines = []
     for role, cands in measured.items():
         for c in cands:
             figs = ", ".join(f"c={lvl} {v:g}" for lvl, v in c.throughput.items())
+            if c.error:
+                lines.append(f"{role} {c.choice.dtype}/{c.choice.quantization}: failed ({c.error})")
+                continue
             lines.append(f"{role} {c.choice.dtype}/{c.choice.quantization}: {figs}"
                          + (f", WER {c.wer:.3f}" if c.wer is not None else "")
                          + (f" ({score(c) / score(ref):.2f}x float32)" if role == "audio" else ""))

@@ -30,7 +30,8 @@ def pick(role: str, candidates: list[Candidate]) -> Choice:
     unquantised (the reference); vision: all (its fixture has random weights: no quality to compare). Then the
     fastest, except that a candidate within TIE of the fastest and lighter in memory wins: a real model served in
     bf16 needs half the weights and KV cache (llava-smollm2's 8k context does not fit the default 0.25 GiB KV cache
-    in float32)."""
+    in float32). A candidate that failed (``error``) is never picked."""
+    candidates = [c for c in candidates if c.error is None]
     if role == "audio":
         ref = next(c for c in candidates if c.choice == Choice(dtype="float32"))
         candidates = [c for c in candidates if c.wer is not None and ref.wer is not None
