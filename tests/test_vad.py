@@ -281,7 +281,12 @@ def test_default_from_setting_on_a_real_engine(whisper_model, whisper_engine, va
         assert "Voice-activity chunking is the default" in engine.log_path.read_text()
         default = transcribe(engine, path, response_format="verbose_json")
         assert default.text == auto.text
-        assert [(s.start, s.end) for s in default.segments] == [(s.start, s.end) for s in auto.segments]
+        # The same segments; their times within 0.3 s: two engines in bf16 can decode a near-tied timestamp token
+        # differently (Intel Xeon with AMX, int8 + bf16: one segment ended at 7.664 s on one, 7.464 s on the other).
+        assert len(default.segments) == len(auto.segments)
+        for got, want in zip(default.segments, auto.segments, strict=True):
+            assert got.text == want.text
+            assert abs(got.start - want.start) <= 0.3 and abs(got.end - want.end) <= 0.3, (got, want)
         before = clips.finished_requests(engine.base_url)
         assert transcribe(engine, vad_clips["silence"]).text == ""
         assert clips.finished_requests(engine.base_url) == before
