@@ -39,6 +39,10 @@ def candidates(role: str, settings: Settings, isa: str) -> list[tuple[Choice, Pa
     return out
 
 
+FATAL = [re.compile(p) for p in (r"Fatal Python error", r"Segmentation fault|Illegal instruction|Aborted",
+                                 r"EngineCore.*(died|failed|dead)", r"^\S*Error: ")]
+
+
 def death(engine: Engine, what: str) -> str:
     """Why a candidate's engine stopped serving, in one line: the log's fatal line (e.g. "Fatal Python error:
     Illegal instruction") if it has one, else ``what`` (the failed request's error)."""
@@ -49,8 +53,8 @@ def death(engine: Engine, what: str) -> str:
     return what
 
 
-FATAL = [re.compile(p) for p in (r"Fatal Python error", r"Segmentation fault|Illegal instruction|Aborted",
-                                 r"EngineCore.*(died|failed|dead)", r"^\S*Error: ")]
+def first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
 
 
 def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path) -> list[Candidate]:
@@ -64,11 +68,11 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
     failed: dict[str, str] = {}
     keys = [f"{choice.dtype}-{choice.quantization}" for choice, _ in found]
 
-    def fail(key: str, what: str) -> None:
-        failed[key] = death(engines[key], what) if key in engines else what
+    def fail(key: str, eng: Engine, what: str) -> None:
+        failed[key] = death(eng, what)
         log(f"{role} {key}: dropped: {failed[key]}")
-        if key in engines:
-            engines.pop(key).stop()
+        engines.pop(key, None)
+        eng.stop()
 
     try:
         for (choice, model), key in zip(found, keys, strict=True):
@@ -77,8 +81,7 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
             try:
                 engines[key] = eng.start()
             except Exception as e:  # noqa: BLE001 - recorded as the candidate's error
-                failed[key] = death(eng, f"did not start: {str(e).splitlines()[0][:300]}")
-                log(f"{role} {key}: dropped: {failed[key]}")
+                fail(key, eng, f"did not start: {first_line(e)}")
         clips = inputs.clips(plans.workload(), settings.cache_dir / "bench" / "clips")
         chats = vision_requests(48)  # 48: a round of the benchmark's 16 takes ~1 s, too short against the noise
         https = {k: Http(e.base_url, audio_model=e.name, vision_model=e.name) for k, e in engines.items()}
@@ -86,7 +89,7 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
             try:
                 http.transcribe(clips[0]) if role == "audio" else http.chat([test_image(1)])
             except Exception as e:  # noqa: BLE001 - recorded as the candidate's error
-                fail(key, f"first request failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                fail(key, engines[key], f"first request failed: {first_line(e)}")
         rounds: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
         for n, c in enumerate(LEVELS[role]):
             for rep in range(reps):
@@ -101,7 +104,7 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
                         f"{'audio-s/s' if role == 'audio' else 'rps'} (load {load['loadavg_1m']}, foreign "
                         f"{load['foreign_cores']} cores)")
                     if s.failures:
-                        fail(key, f"{s.failures} of {s.n} requests failed at c={c}: {s.errors}")
+                        fail(key, engines[key], f"{s.failures} of {s.n} requests failed at c={c}: {s.errors}")
                         continue
                     rounds[key][c].append(rnd)
     finally:
