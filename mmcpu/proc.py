@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 
 import psutil
 
@@ -43,16 +44,36 @@ def tree_rss(pid: int | None) -> int:
 
 
 def stop_group(proc: subprocess.Popen | None, timeout_s: float) -> None:
-    """Stop a child started with ``start_new_session=True`` and everything in its process group: SIGTERM,
-    then SIGKILL after ``timeout_s``."""
-    if not proc or proc.poll() is not None:
+    """Stop a child started with ``start_new_session=True`` and everything in its process group: SIGTERM, then
+    SIGKILL to whatever of the group is left after ``timeout_s``. The group is stopped even when its leader has
+    already exited: vLLM's API server can die and leave its EngineCore running in the group."""
+    if not proc:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
+    if not _signal_group(proc.pid, signal.SIGTERM):
+        proc.poll()  # reap a leader that exited alone
+        return
+    deadline = time.monotonic() + timeout_s
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        pass
+    while _signal_group(proc.pid, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the leader has gone (and is reaped): its children are still shutting down
+    if _signal_group(proc.pid, signal.SIGKILL):
         proc.wait(timeout=10)
+        for _ in range(100):  # SIGKILL is asynchronous: let the members go before the caller reuses ports
+            if not _signal_group(proc.pid, 0):
+                break
+            time.sleep(0.1)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid`` (0 = only check); False if no process is left in it."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def listening(port: int, host: str = "127.0.0.1") -> bool:
