@@ -4,10 +4,10 @@
 - OpenVINO GenAI: ``optimum-cli export openvino --task automatic-speech-recognition-with-past`` (without
   ``-with-past`` the pipeline refuses the IR: "Port for tensor name beam_idx was not found") in the export venv,
   ``--weight-format fp32`` and ``int8``; the pipeline runs in its own venv.
-- whisper.cpp: pywhispercpp built from its sdist for this CPU (GGML_NATIVE), the library's rpath set to its own
-  folder (else "libwhisper.so.1: cannot open shared object file"); ggml f16 by whisper.cpp's converter (shipped in
-  that sdist; run in the export venv, which has torch and transformers) with openai-whisper's mel filters, q8_0 by
-  whisper.cpp's quantize tool built from the same sdist.
+- whisper.cpp: pywhispercpp built from its sdist for this CPU (GGML_NATIVE, without ggml's AMX backend), the
+  library's rpath set to its own folder (else "libwhisper.so.1: cannot open shared object file"); ggml f16 by
+  whisper.cpp's converter (shipped in that sdist; run in the export venv, which has torch and transformers) with
+  openai-whisper's mel filters, q8_0 by whisper.cpp's quantize tool built from the same sdist.
 
 Every step writes a stamp (what it was built from) last; a step whose stamp matches is skipped, so a second
 ``make bench`` redoes nothing. A step that fails raises ``PeerUnavailable`` with the failing command and the last
@@ -153,10 +153,16 @@ class Setup:
     def whispercpp_venv(self) -> Path:
         src = self.sources("pywhispercpp")
         (sdist,) = src.glob("pywhispercpp-*.tar.gz")
-        # GGML_NATIVE: built for this CPU (AVX-512 where there is); the rpath: libwhisper.so.1 beside the module
+        # GGML_NATIVE: built for this CPU (AVX-512 where there is), but without ggml's AMX backend: on an AMX CPU
+        # -march=native builds it, and its q8_0 matmul segfaults (ggml_backend_amx_mul_mat, llama.cpp #20824;
+        # docs/bench/analysis.md). GCC's explicit -mno-amx-* win over -march=native in any order; elsewhere no-ops.
+        # They go in CFLAGS/CXXFLAGS (CMake's initial flags): pywhispercpp splits CMAKE_ARGS on spaces.
+        # The rpath: libwhisper.so.1 beside the module.
         cmake = "-DGGML_NATIVE=ON -DCMAKE_INSTALL_RPATH=$ORIGIN -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"
-        return self.venv("whispercpp", "whispercpp.txt", env={"CMAKE_ARGS": cmake, "CMAKE_BUILD_PARALLEL_LEVEL": "2"},
-                         then=[["{py}", "-m", "pip", "install", "-q", "--no-deps", str(sdist)],
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        env = {"CMAKE_ARGS": cmake, "CFLAGS": no_amx, "CXXFLAGS": no_amx, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+        return self.venv("whispercpp", "whispercpp.txt", env=env,
+                         then=[["{py}", "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", str(sdist)],
                                ["{py}", "-c", "import pywhispercpp.model"]])  # fmt: skip
 
     def whispercpp_quantize(self) -> Path:
