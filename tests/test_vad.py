@@ -276,17 +276,24 @@ def test_default_from_setting_on_a_real_engine(whisper_model, whisper_engine, va
     from mmcpu_dev.servers import test_engine
 
     path, _, _ = vad_clips["pauses"]
+    before = clips.finished_requests(whisper_engine.base_url)
     auto = transcribe(whisper_engine, path, chunking_strategy="auto", response_format="verbose_json")
+    auto_requests = clips.finished_requests(whisper_engine.base_url) - before
     with test_engine(whisper_model, logs_dir, "vad-default", env={"MMCPU_VAD_DEFAULT": whisper_model.name}) as engine:
         assert "Voice-activity chunking is the default" in engine.log_path.read_text()
+        before = clips.finished_requests(engine.base_url)
         default = transcribe(engine, path, response_format="verbose_json")
+        # The same speech windows reach the engine (fixed 30 s windows would be more of them), the same text.
+        assert clips.finished_requests(engine.base_url) - before == auto_requests
         assert default.text == auto.text
-        # The same segments; their times within 0.3 s: two engines in bf16 can decode a near-tied timestamp token
-        # differently (Intel Xeon with AMX, int8 + bf16: one segment ended at 7.664 s on one, 7.464 s on the other).
+        # The same segments; their times within 0.5 s. Not exact: in bf16 the windows' decoding depends on how the
+        # scheduler batches them, so identical requests differ at a near-tied timestamp token. On an Intel Xeon
+        # with AMX three identical auto requests on each of two engines gave two segmentations, the first
+        # window's segment boundaries 7.664 / 12.664 s or 7.464 / 12.984 s (0.32 s apart), the text the same.
         assert len(default.segments) == len(auto.segments)
         for got, want in zip(default.segments, auto.segments, strict=True):
             assert got.text == want.text
-            assert abs(got.start - want.start) <= 0.3 and abs(got.end - want.end) <= 0.3, (got, want)
+            assert abs(got.start - want.start) <= 0.5 and abs(got.end - want.end) <= 0.5, (got, want)
         before = clips.finished_requests(engine.base_url)
         assert transcribe(engine, vad_clips["silence"]).text == ""
         assert clips.finished_requests(engine.base_url) == before
