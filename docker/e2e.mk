@@ -16,7 +16,7 @@
 #                         (label io.mmcpu.inputs-hash), compose.yaml up -d, waits for health, prints the URL
 #   make down             stops it (the cache volume stays)
 #   make docker-engine-stop   stop a dockerd that scripts/docker-engine started
-# TORCH_INDEX_URL: the PyTorch CPU index by default (2.11.0+cpu, ~3 GB smaller image), the same default as
+# TORCH_INDEX_URL: the PyTorch CPU index by default (the line's +cpu torch, ~3 GB smaller image), the same default as
 # docker/Dockerfile (and so `docker compose build`); where it does not answer the build says so in one line and
 # uses PyPI's torch. Empty = PyPI outright.
 IMAGE           ?= mmcpu:latest

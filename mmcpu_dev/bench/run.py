@@ -98,17 +98,24 @@ def compose_serving() -> dict:
 
 
 def image_size_lines() -> list[str]:
-    size = None
+    size = torch = None
     if docker := shutil.which("docker"):
         try:
             done = subprocess.run([docker, "image", "inspect", "mmcpu:latest", "--format", "{{.Size}}"],
                                   capture_output=True, text=True, timeout=30)  # fmt: skip
             size = int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip().isdigit() else None
+            if size:  # the torch build inside the image, as it is (CPU index or PyPI's CUDA build)
+                done = subprocess.run([docker, "run", "--rm", "--network", "none", "--entrypoint", "python",
+                                       "mmcpu:latest", "-c", "import torch; print(torch.__version__)"],
+                                      capture_output=True, text=True, timeout=120)  # fmt: skip
+                torch = done.stdout.strip() if done.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired):
             pass
     if size:
-        return [f"Ours, `mmcpu:latest` (`docker image inspect`, uncompressed on disk): **{size / 1e9:.2f} GB**, built "
-                "with PyPI's torch 2.11.0, a CUDA build (docker/e2e.mk: the PyTorch CPU index gives a ~3 GB smaller "
+        kind = ("unknown" if torch is None else
+                "the PyTorch CPU index's build" if torch.endswith("+cpu") else "PyPI's CUDA build")
+        return [f"Ours, `mmcpu:latest` (`docker image inspect`, uncompressed on disk): **{size / 1e9:.2f} GB**, with "
+                f"torch {torch or '(not read)'}, {kind} (docker/e2e.mk: the PyTorch CPU index gives a ~3 GB smaller "
                 "image where it is reachable).", *UPSTREAM_IMAGE]  # fmt: skip
     return ["Ours: no `mmcpu:latest` image on this machine when the run ended (or no docker), so not measured in "
             "this run; `make image` builds it.", *UPSTREAM_IMAGE]  # fmt: skip
