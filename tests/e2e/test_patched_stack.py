@@ -195,18 +195,20 @@ def test_compose_stop_drains_a_long_transcription(stack: Stack, cfg: Config, fig
         stack.compose("stop", "audio", timeout=cfg.stop_grace_s + 300)
         stop_s = time.monotonic() - t0
         client.wait(timeout=300)
-    long_lines = [line for line in client.output().splitlines() if line.startswith("[long]")]
-    for line in long_lines:
-        say(line)
-    state = stack.state("audio")
-    assert any(line.startswith("[long] PASS") for line in long_lines), \
-        f"the transcription in flight did not complete across the stop: {long_lines}"
-    assert "EngineCore: draining in-flight requests" in stack.container_log("audio"), \
-        "audio's vLLM did not log a drain on SIGTERM"
-    assert state["ExitCode"] == 0, f"audio stopped with {state['ExitCode']} (137: killed after the grace period)"
-    figures.add("fault: compose stop audio with a long transcription in flight",
-                f"stopped after {stop_s:.0f}s, request completed, exit 0")
-    stack.compose("start", "audio", timeout=300)
+    try:
+        long_lines = [line for line in client.output().splitlines() if line.startswith("[long]")]
+        for line in long_lines:
+            say(line)
+        state = stack.state("audio")
+        assert any(line.startswith("[long] PASS") for line in long_lines), \
+            f"the transcription in flight did not complete across the stop: {long_lines}"
+        assert "EngineCore: draining in-flight requests" in stack.container_log("audio"), \
+            "audio's vLLM did not log a drain on SIGTERM"
+        assert state["ExitCode"] == 0, f"audio stopped with {state['ExitCode']} (137: killed after the grace period)"
+        figures.add("fault: compose stop audio with a long transcription in flight",
+                    f"stopped after {stop_s:.0f}s, request completed, exit 0")
+    finally:  # audio comes back whatever the result: the tests after this one need it
+        stack.compose("start", "audio", timeout=300)
     figures.add("audio start -> healthy (restart, warm volume)", f"{stack.wait_healthy('audio', cfg.restart_s):.0f}s")
 
 
