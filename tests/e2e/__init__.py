@@ -22,7 +22,7 @@ Env (the knobs of the bash version, same meaning):
   E2E_RESTART_S   an engine's way back after a fault: restart or ``compose start`` (default 1200)
   E2E_FAULTS      1 (default): the fault tests; 0 skips them
   E2E_LOAD_N      requests of the mixed load (default 100)
-  E2E_LONG_S      the clip the audio engine drains across ``compose stop`` (default 900 s of words: a ~700 s clip)
+  E2E_LONG_S      the clip the audio engine drains across ``compose stop`` (default 720 s of words: a ~565 s clip, under vLLM's 600 s limit)
   IMAGE, IMAGE_UNPATCHED, IMAGE_SMOKE   the tags (default mmcpu:latest, mmcpu:unpatched, mmcpu:smoke)
   DOCKER          the client (default /usr/bin/docker); ``docker compose`` v2 when it has it, else docker-compose
   CA_BUNDLE       the bundle the secrets scan looks for (default /etc/ssl/certs/ca-certificates.crt)

@@ -79,7 +79,7 @@ class Config:
             faults=env.get("E2E_FAULTS", "1") == "1",
             load_n=int(env.get("E2E_LOAD_N", 100)),
             # 300 s of speech: a 60 s clip is transcribed in ~3 s with native kernels, over before the stop lands.
-            long_s=float(env.get("E2E_LONG_S", 900)),
+            long_s=float(env.get("E2E_LONG_S", 720)),
             api_key=env.get("MMCPU_API_KEY") or None,
             audio_model=served_name(env.get("MMCPU_AUDIO_MODEL") or "/models/whisper-tiny.en"),
             vision_model=served_name(env.get("MMCPU_VISION_MODEL") or "/models/tiny-llava"),
