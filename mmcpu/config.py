@@ -102,6 +102,11 @@ class Settings(BaseSettings):
         "made by mmcpu-quantize; none there: refuse to start), 'none' = the float one, 'auto' = the audio role "
         "follows the per-CPU default (mmcpu/cpu_defaults.json) and mmcpu-serve the checkpoint it is given",
     )
+    int8_lm_head: bool = Field(
+        True, description="with an int8 checkpoint, its output projection (tied to the token embedding, so the "
+        "checkpoint keeps it float) runs int8 too, on CPUs with AMX and a bf16 model (patches/0030): 1.11x at c=1 on "
+        "the benchmark workload, same WER (docs/bench/c1-profile.md). Elsewhere it stays float",
+    )
     compile: bool = Field(
         False,
         description="torch.compile the model (inductor). Off = --enforce-eager: inductor's C++ build adds minutes "

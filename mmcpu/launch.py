@@ -231,7 +231,10 @@ class EngineSpec:
         return engine_env(settings, base, self.cpus or Cpus.current(), self.port)
 
     def process(self, settings: Settings, chosen: defaults.Resolved, base: dict[str, str] | None = None) -> Process:
-        return Process(self.name, self.argv(settings, chosen), self.env(settings, base))
+        env = self.env(settings, base)
+        # patches/0030 reads it in the engine, where the checkpoint's quantisation is no longer known as such.
+        env["MMCPU_INT8_LM_HEAD"] = "1" if settings.int8_lm_head and chosen.quantization == "int8" else "0"
+        return Process(self.name, self.argv(settings, chosen), env)
 
 
 def role_specs(role: str, settings: Settings, cpus: Cpus | None = None) -> list[EngineSpec]:

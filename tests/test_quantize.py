@@ -423,3 +423,25 @@ def test_int8_wer_within_bound_of_unquantised(int8_float32_engine: Engine, whisp
 def test_int8_deterministic(int8_float32_engine: Engine, sentence_clips: list[tuple[Path, str]]):
     clips = sentence_clips[:2]
     assert transcribe(int8_float32_engine, clips) == transcribe(int8_float32_engine, clips)
+
+
+OUTPUT_PROJECTION_LINE = "CPU output projection in int8 (mmcpu patch 0030)"
+
+
+@pytest.mark.slow
+def test_int8_output_projection_where_it_applies(int8_engine: Engine, int8_float32_engine: Engine, whisper_engine: Engine,
+                                                 sentence_clips: list[tuple[Path, str]]):
+    """patches/0030: the int8 checkpoint in this CPU's default dtype runs its output projection int8 where the SGL
+    int8 kernel applies (AMX, a bf16 model), and its WER stays within the int8 margin of the unquantised model's;
+    a float32 engine keeps it float."""
+    applies = cpu.current().isa == "amx" and served_dtype(int8_engine.model) in ("bfloat16", "float16")
+    assert (OUTPUT_PROJECTION_LINE in int8_engine.log()) == applies
+    assert OUTPUT_PROJECTION_LINE not in int8_float32_engine.log()
+    if not applies:
+        return
+    refs = [t for _, t in sentence_clips]
+    hyps, unquantised = transcribe(int8_engine, sentence_clips), transcribe(whisper_engine, sentence_clips)
+    wer, reference = speech.word_error_rate(refs, hyps), speech.word_error_rate(refs, unquantised)
+    print(f"\nint8 + int8 output projection WER {wer:.3f}, unquantised {reference:.3f}")
+    assert all(h.strip() for h in hyps), hyps
+    assert wer <= reference + WER_MARGIN, (hyps, unquantised)

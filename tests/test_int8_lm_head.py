@@ -1,0 +1,112 @@
+"""An int8 model's output projection in int8 (patches/0030): vLLM's ``ParallelLMHead`` on CPU, proved against the
+float projection on randomised inputs, off wherever it does not apply, and asked for by the launcher only for an
+int8 checkpoint. The engine-level checks (an int8 engine's log, its WER) are in tests/test_quantize.py.
+
+Where exactness ends: the int8 path rounds each weight to 1/127 of its row's largest magnitude and each activation
+to 1/127 of its token's (symmetric), and accumulates exactly in int32; only those two roundings differ from the
+float product. Each output's error is then at most half a weight step times the row's |x|-sum plus half an
+activation step times the token's |w|-sum (plus the bf16 rounding of the output), which the test checks element by
+element; the relative error over a whole output is ~1 % on these inputs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from mmcpu import cpu, launch
+from mmcpu.config import Settings
+from mmcpu.defaults import Resolved
+
+from vllm.model_executor.layers import utils  # the venv's vLLM: the default line, patched (0030 is not on the proof's)
+
+AMX = cpu.current().isa == "amx"
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class Head(torch.nn.Module):
+    """What the patch reads of a ParallelLMHead: its weight (vocabulary x hidden)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
+def dispatched(weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch, flag: str = "1",
+               dtype: torch.dtype = torch.bfloat16) -> tuple[Head, bool]:
+    monkeypatch.setenv("MMCPU_INT8_LM_HEAD", flag)
+    head = Head(weight)
+    with default_dtype(dtype):
+        return head, utils.dispatch_cpu_int8_lm_head(head)
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Per element: the two int8 roundings (half a step each) plus the output's own bf16 rounding."""
+    xf, wf = x.float(), w.float()
+    w_step, x_step = wf.abs().amax(1) / 127, xf.abs().amax(1) / 127
+    rounding = 0.5 * w_step[None, :] * xf.abs().sum(1, keepdim=True) + 0.5 * x_step[:, None] * wf.abs().sum(1)[None, :]
+    return rounding + out.float().abs() * 2**-8 + 1e-6
+
+
+@pytest.mark.skipif(not AMX, reason="the int8 projection runs on the SGL int8 kernel, which needs AMX")
+@pytest.mark.parametrize(("vocab", "hidden"), [(51864, 384), (1003, 512)])  # tiny.en's; a vocabulary not of 16s
+def test_matches_the_float_projection_within_int8_rounding(vocab: int, hidden: int, monkeypatch: pytest.MonkeyPatch):
+    g = torch.Generator().manual_seed(vocab)
+    # Rows of different scales, as an embedding's are, and one all-zero row (its scale must stay positive).
+    w = (torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g) * 0.1).to(torch.bfloat16)
+    w[7] = 0
+    head, took = dispatched(w, monkeypatch)
+    assert took
+    for m in (1, 3, 17):
+        x = (torch.randn(m, hidden, generator=g) * 4).to(torch.bfloat16)
+        out = head.cpu_linear(x, head.weight, None)
+        assert out.shape == (m, vocab) and out.dtype == torch.bfloat16
+        ref = x.float() @ w.float().t()
+        err = (out.float() - ref).abs()
+        assert (err <= error_bound(x, w, out)).all(), float((err - error_bound(x, w, out)).max())
+        assert float((out.float() - ref).norm() / ref.norm()) < 0.03
+        assert out[:, 7].abs().max() == 0
+        # Where the top logit leads by more than twice the largest error, the int8 argmax is the float one.
+        top2 = ref.topk(2, dim=1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * err.max(1).values
+        assert torch.equal(out.float().argmax(1)[clear], ref.argmax(1)[clear])
+    # A 3D input (batch, seq, hidden) keeps its leading dimensions; a bias is added.
+    x = torch.randn(2, 2, hidden, generator=g).to(torch.bfloat16)
+    bias = torch.randn(vocab, generator=g).to(torch.bfloat16)
+    out = head.cpu_linear(x, head.weight, bias)
+    assert out.shape == (2, 2, vocab)
+    assert torch.allclose(out.float() - head.cpu_linear(x, head.weight, None).float(), bias.float(), atol=0.07)
+
+
+@pytest.mark.parametrize(("flag", "dtype"), [("0", torch.bfloat16), ("", torch.bfloat16), ("1", torch.float32)])
+def test_changes_nothing_where_it_does_not_apply(flag: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+    """Not asked for, or a float32 model (the SGL kernel takes bf16/fp16 only): the layer is left to vLLM's own
+    float dispatch."""
+    head, took = dispatched(torch.randn(64, 32).to(dtype), monkeypatch, flag, dtype)
+    assert not took and not hasattr(head, "cpu_linear")
+
+
+@pytest.mark.skipif(AMX, reason="checks a CPU without AMX")
+def test_off_without_amx(monkeypatch: pytest.MonkeyPatch):
+    head, took = dispatched(torch.randn(64, 32).to(torch.bfloat16), monkeypatch)
+    assert not took and not hasattr(head, "cpu_linear")
+
+
+@pytest.mark.parametrize(("quantization", "setting", "expected"), [("int8", True, "1"), ("none", True, "0"),
+                                                                    ("int8", False, "0")])
+def test_launcher_asks_for_it_for_an_int8_checkpoint_only(quantization: str, setting: bool, expected: str):
+    spec = launch.EngineSpec("audio", "/models/whisper-tiny.en", 8001, kind="audio")
+    chosen = Resolved(model="/models/whisper-tiny.en-int8" if quantization == "int8" else "/models/whisper-tiny.en",
+                      dtype="bfloat16", quantization=quantization, why="test")
+    proc = spec.process(Settings(int8_lm_head=setting), chosen, base={"MMCPU_INT8_LM_HEAD": "1"})
+    assert proc.env["MMCPU_INT8_LM_HEAD"] == expected
