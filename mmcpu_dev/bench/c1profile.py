@@ -148,14 +148,14 @@ def pids_of(eng) -> tuple[int | None, int | None]:  # noqa: ANN001
     return api, core
 
 
-def ours(clips: list, reps: int, out: Path, pyspy: Path | None) -> dict:
+def ours(clips: list, reps: int, out: Path, pyspy: Path | None, runner: str = "v2") -> dict:
     from mmcpu_dev.bench import plan as plans
     from mmcpu_dev.bench.runners import Http, Profiler
     from mmcpu_dev.servers import Engine
 
     settings = get_settings()
     model, args, _ = plans.role_engine("audio", settings)
-    eng = Engine(model, out / "c1profile-ours.log", vllm_args=list(args))
+    eng = Engine(model, out / f"c1profile-ours-{runner}.log", runner=runner, vllm_args=list(args))
     try:
         eng.start()
         http = Http(eng.base_url, audio_model=eng.name)
@@ -181,7 +181,7 @@ def ours(clips: list, reps: int, out: Path, pyspy: Path | None) -> dict:
                 p.__exit__(None, None, None)
         elapsed = time.monotonic() - t0
         after = scrape(eng.base_url)
-        res = {"model": str(model), "args": list(args), "load": [load0, os.getloadavg()[0]],
+        res = {"model": str(model), "runner": runner, "args": list(args), "load": [load0, os.getloadavg()[0]],
                "other_cores": round(other_cores({p for p in (api, core) if p}, elapsed, marks), 2),
                "wall_ms": [1e3 * w for w in walls], "texts": texts}  # fmt: skip
         for name in METRICS:
@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pyspy", action="store_true", help="py-spy on the API server and the EngineCore")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-ours", action="store_true")
+    ap.add_argument("--runner", choices=("v2", "v1"), default="v2", help="ours on MRV2 (default) or on V1")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = get_settings()
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     print("openvino done, load", res["openvino"]["load"], flush=True)
     if not args.no_ours:
         pyspy = REPO_ROOT / ".cache" / "bench-venv" / "bin" / "py-spy" if args.pyspy else None
-        res["ours"] = ours(clips, args.reps, args.out, pyspy)
+        res["ours"] = ours(clips, args.reps, args.out, pyspy, args.runner)
         print("\n".join(table(res["ours"], res["openvino"])))
         print(f"load ours {res['ours']['load']}, other cores {res['ours']['other_cores']}; "
               f"openvino {res['openvino']['load']}")
