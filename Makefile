@@ -4,11 +4,11 @@
 #   make models    build the offline fixture models (.cache/models)
 #   make test      everything: quick unit tests + real vLLM servers (MRV2 on the default line; the proof line
 #                  unpatched and patched)
-#   make test-quick  unit tests only (no vLLM server), under a minute
+#   make test-quick  unit tests only (no vLLM server): ~1,000 tests, ~5 min on 2 CPUs
 #   make latency   per-request latency MRV2 vs V1 and ready time / RSS per engine (python -m mmcpu_dev.bench latency)
 #   make lock      regenerate the default line's requirements/vllm-<version>.lock from its venv
 #                  (make lock VENV=.cache/venv-$(VLLM_PROOF) VLLM_VERSION=$(VLLM_PROOF) for the proof line)
-#   make bench     benchmark vs faster-whisper and the V1 runner: mmcpu_dev/bench (scripts/bench.mk; docs/benchmarks.md)
+#   make bench     benchmark vs OpenVINO GenAI, whisper.cpp, faster-whisper and the V1 runner: mmcpu_dev/bench (scripts/bench.mk; docs/benchmarks.md)
 #   make settings-doc  regenerate docs/settings.md's settings table from mmcpu/config.py
 #   make patches-doc   regenerate docs/patches.md's patch table from the patches' headers and series
 #   make k8s-check render every Kubernetes overlay (or OVERLAYS=...), validate it offline, checkov + domain rules
