@@ -141,6 +141,25 @@ def test_forced_avx2_build_falls_back_to_the_paged_kernel():
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
 
 
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-s{}-h{}/{}-d{}{}".format(*c[:5], "-varlen" if c[5] else ""))
+def test_kernels_read_qkv_views_as_dense_copies(case, impl):
+    """_C's kernels get q/k/v split from one fused projection as views with a token stride (no copies): the
+    result is bit-identical to the same call on dense copies."""
+    b, s, h, hkv, d, varlen = case
+    if impl == "extend" and A.self_check("extend", torch.bfloat16, d, h, hkv):
+        pytest.skip("extend: not for this head size here")
+    if impl == "cpu_attn" and d not in A.CPU_ATTN_HEAD_SIZES:
+        pytest.skip("head size")
+    gen = torch.Generator().manual_seed(hash(case) % 2**31 + 1)
+    q, k, v = qkv_views(b, s, h, hkv, d, torch.bfloat16, gen)
+    assert not q.is_contiguous() and A._flat(q).data_ptr() == q.data_ptr()  # a view, not a copy
+    cu = random_cu(s, gen, pad=1) if varlen else None
+    fn, gqa = getattr(A, impl), h != hkv
+    assert torch.equal(fn(q, k, v, d**-0.5, cu, gqa),
+                       fn(q.contiguous(), k.contiguous(), v.contiguous(), d**-0.5, cu, gqa))
+
+
 def test_vllm_wrapper_routes_here_and_its_layout_is_dense():
     """With patches 0024-0025 applied: vLLM's torch_sdpa_wrapper on CPU returns encoder_attention's result, and
     apply_sdpa (the SDPA fallback) hands SDPA dense tensors, with the shipped numbers."""
