@@ -115,8 +115,8 @@ def sdpa(q, k, v, scale, cu_seqlens=None, enable_gqa=False):
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """(b, s, h, d) -> (b * s, h, d) with dense last two dims, as the _C kernels index tokens and heads. The
-    kernels take a token stride, so q/k/v split from one fused qkv projection go as views, not copies (the copies
-    were ~30 % of extend's time on Whisper's encoder shapes; outputs bit-identical)."""
+    kernels take a token stride, so q/k/v split from one fused qkv projection go as views, not copies (outputs
+    bit-identical; the three copies were 0.12 of 4.3 ms per tiny.en encoder layer on an idle Xeon with AMX)."""
     b, s, h, d = x.shape
     if x.stride(3) == 1 and x.stride(2) == d and x.stride(0) == s * x.stride(1):
         return x.view(b * s, h, d)
