@@ -4,7 +4,7 @@
 #   make models    build the offline fixture models (.cache/models)
 #   make test      everything: quick unit tests + real vLLM servers (MRV2 on the default line; the proof line
 #                  unpatched and patched)
-#   make test-quick  unit tests only (no vLLM server): ~1,000 tests, ~5 min on 2 CPUs
+#   make test-quick  unit tests only (no vLLM server): ~1,000 tests, 3-5 min on 2 CPUs
 #   make latency   per-request latency MRV2 vs V1 and ready time / RSS per engine (python -m mmcpu_dev.bench latency)
 #   make lock      regenerate the default line's requirements/vllm-<version>.lock from its venv
 #                  (make lock VENV=.cache/venv-$(VLLM_PROOF) VLLM_VERSION=$(VLLM_PROOF) for the proof line)

@@ -233,7 +233,9 @@ class EngineSpec:
     def process(self, settings: Settings, chosen: defaults.Resolved, base: dict[str, str] | None = None) -> Process:
         env = self.env(settings, base)
         # patches/0030 reads it in the engine, where the checkpoint's quantisation is no longer known as such.
-        env["MMCPU_INT8_LM_HEAD"] = "1" if settings.int8_lm_head and chosen.quantization == "int8" else "0"
+        # Whisper only: the one int8 path this project tests (mmcpu.defaults.resolve).
+        int8 = settings.int8_lm_head and chosen.quantization == "int8" and self.kind == "audio"
+        env["MMCPU_INT8_LM_HEAD"] = "1" if int8 else "0"
         return Process(self.name, self.argv(settings, chosen), env)
 
 

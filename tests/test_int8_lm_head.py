@@ -102,10 +102,12 @@ def test_off_without_amx(monkeypatch: pytest.MonkeyPatch):
     assert not took and not hasattr(head, "cpu_linear")
 
 
-@pytest.mark.parametrize(("quantization", "setting", "expected"), [("int8", True, "1"), ("none", True, "0"),
-                                                                    ("int8", False, "0")])
-def test_launcher_asks_for_it_for_an_int8_checkpoint_only(quantization: str, setting: bool, expected: str):
-    spec = launch.EngineSpec("audio", "/models/whisper-tiny.en", 8001, kind="audio")
+@pytest.mark.parametrize(("quantization", "setting", "kind", "expected"),
+                         [("int8", True, "audio", "1"), ("none", True, "audio", "0"), ("int8", False, "audio", "0"),
+                          ("int8", True, "vision", "0")])
+def test_launcher_asks_for_it_for_an_int8_whisper_checkpoint_only(quantization: str, setting: bool, kind: str,
+                                                                  expected: str):
+    spec = launch.EngineSpec("audio", "/models/whisper-tiny.en", 8001, kind=kind)
     chosen = Resolved(model="/models/whisper-tiny.en-int8" if quantization == "int8" else "/models/whisper-tiny.en",
                       dtype="bfloat16", quantization=quantization, why="test")
     proc = spec.process(Settings(int8_lm_head=setting), chosen, base={"MMCPU_INT8_LM_HEAD": "1"})
