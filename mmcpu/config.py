@@ -103,7 +103,7 @@ class Settings(BaseSettings):
         "follows the per-CPU default (mmcpu/cpu_defaults.json) and mmcpu-serve the checkpoint it is given",
     )
     int8_lm_head: bool = Field(
-        True, description="with an int8 checkpoint, its output projection (tied to the token embedding, so the "
+        True, description="with an int8 Whisper checkpoint, its output projection (tied to the token embedding, so the "
         "checkpoint keeps it float) runs int8 too, on CPUs with AMX and a bf16 model (patches/0030): 1.11x at c=1 on "
         "the benchmark workload, same WER (docs/bench/c1-profile.md). Elsewhere it stays float",
     )
