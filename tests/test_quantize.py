@@ -429,8 +429,8 @@ OUTPUT_PROJECTION_LINE = "CPU output projection in int8 (mmcpu patch 0030)"
 
 
 @pytest.mark.slow
-def test_int8_output_projection_where_it_applies(int8_engine: Engine, int8_float32_engine: Engine, whisper_engine: Engine,
-                                                 sentence_clips: list[tuple[Path, str]]):
+def test_int8_output_projection_where_it_applies(int8_engine: Engine, int8_float32_engine: Engine,
+                                                 whisper_engine: Engine, sentence_clips: list[tuple[Path, str]]):
     """patches/0030: the int8 checkpoint in this CPU's default dtype runs its output projection int8 where the SGL
     int8 kernel applies (AMX, a bf16 model), and its WER stays within the int8 margin of the unquantised model's;
     a float32 engine keeps it float."""

@@ -170,7 +170,8 @@ def render(r: Results) -> str:
     out: list[str] = []
     w = out.append
     # The title names the peers this run measured (a lines run has none).
-    peers = [n for n in ("OpenVINO GenAI", "whisper.cpp", "faster-whisper") if any(v.startswith(n) for v in label.values())]
+    peers = [n for n in ("OpenVINO GenAI", "whisper.cpp", "faster-whisper")
+             if any(v.startswith(n) for v in label.values())]
     w(f"# Benchmarks: the audio role's default against {', '.join([*peers, 'the V1 runner'])}, one fixed workload\n")
     w(f"**CPU: {cpu.get('model', '?')}** ({cpu.get('vendor', '?')} family {cpu.get('family', '?')}), "
       f"{cpu.get('cpus', '?')} CPUs, ISA class **`{cpu.get('isa', '?')}`**, flags "
