@@ -408,15 +408,27 @@ def test_int8_engine_uses_vllm_int8_kernel(int8_float32_engine: Engine):
     assert "dtype=torch.float32" in log
 
 
-@pytest.mark.slow
-def test_int8_wer_within_bound_of_unquantised(int8_float32_engine: Engine, whisper_engine: Engine,
-                                              sentence_clips: list[tuple[Path, str]]):
-    refs = [t for _, t in sentence_clips]
-    hyps, unquantised = transcribe(int8_float32_engine, sentence_clips), transcribe(whisper_engine, sentence_clips)
+@pytest.fixture(scope="module")
+def unquantised_hyps(whisper_engine: Engine, sentence_clips: list[tuple[Path, str]]) -> list[str]:
+    """The unquantised model's transcripts of the sentence clips: the reference of every int8 WER check here."""
+    return transcribe(whisper_engine, sentence_clips)
+
+
+def assert_wer_within_margin(engine: Engine, label: str, unquantised: list[str], whisper_engine: Engine,
+                             clips: list[tuple[Path, str]]) -> None:
+    """``engine`` transcribes every clip, and its WER is within WER_MARGIN of the unquantised model's."""
+    refs = [t for _, t in clips]
+    hyps = transcribe(engine, clips)
     wer, reference = speech.word_error_rate(refs, hyps), speech.word_error_rate(refs, unquantised)
-    print(f"\nint8 WER {wer:.3f}, unquantised ({served_dtype(whisper_engine.model)}) {reference:.3f}: {hyps}")
+    print(f"\n{label} WER {wer:.3f}, unquantised ({served_dtype(whisper_engine.model)}) {reference:.3f}: {hyps}")
     assert all(h.strip() for h in hyps), hyps
     assert wer <= reference + WER_MARGIN, (hyps, unquantised)
+
+
+@pytest.mark.slow
+def test_int8_wer_within_bound_of_unquantised(int8_float32_engine: Engine, whisper_engine: Engine,
+                                              unquantised_hyps: list[str], sentence_clips: list[tuple[Path, str]]):
+    assert_wer_within_margin(int8_float32_engine, "int8", unquantised_hyps, whisper_engine, sentence_clips)
 
 
 @pytest.mark.slow
@@ -430,18 +442,14 @@ OUTPUT_PROJECTION_LINE = "CPU output projection in int8 (mmcpu patch 0030)"
 
 @pytest.mark.slow
 def test_int8_output_projection_where_it_applies(int8_engine: Engine, int8_float32_engine: Engine,
-                                                 whisper_engine: Engine, sentence_clips: list[tuple[Path, str]]):
+                                                 whisper_engine: Engine, unquantised_hyps: list[str],
+                                                 sentence_clips: list[tuple[Path, str]]):
     """patches/0030: the int8 checkpoint in this CPU's default dtype runs its output projection int8 where the SGL
     int8 kernel applies (AMX, a bf16 model), and its WER stays within the int8 margin of the unquantised model's;
     a float32 engine keeps it float."""
     applies = cpu.current().isa == "amx" and served_dtype(int8_engine.model) in ("bfloat16", "float16")
     assert (OUTPUT_PROJECTION_LINE in int8_engine.log()) == applies
     assert OUTPUT_PROJECTION_LINE not in int8_float32_engine.log()
-    if not applies:
-        return
-    refs = [t for _, t in sentence_clips]
-    hyps, unquantised = transcribe(int8_engine, sentence_clips), transcribe(whisper_engine, sentence_clips)
-    wer, reference = speech.word_error_rate(refs, hyps), speech.word_error_rate(refs, unquantised)
-    print(f"\nint8 + int8 output projection WER {wer:.3f}, unquantised {reference:.3f}")
-    assert all(h.strip() for h in hyps), hyps
-    assert wer <= reference + WER_MARGIN, (hyps, unquantised)
+    if applies:
+        assert_wer_within_margin(int8_engine, "int8 + int8 output projection", unquantised_hyps, whisper_engine,
+                                 sentence_clips)
