@@ -22,6 +22,9 @@ from mmcpu.defaults import Resolved
 from vllm.model_executor.layers import utils  # the venv's vLLM: the default line, patched (0030 is not on the proof's)
 
 AMX = cpu.current().isa == "amx"
+# Without AMX (or in float32) the projection runs on oneDNN's int8 GEMM, as the checkpoint's other int8 linears do
+# there; the patch takes it only with VNNI, where that GEMM is exact int8 arithmetic.
+VNNI = torch.cpu._is_vnni_supported()
 
 
 @contextlib.contextmanager
@@ -58,19 +61,23 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Te
     return rounding + out.float().abs() * 2**-8 + 1e-6
 
 
-@pytest.mark.skipif(not AMX, reason="the int8 projection runs on the SGL int8 kernel, which needs AMX")
+@pytest.mark.skipif(not (AMX or VNNI), reason="the int8 projection needs AMX (SGL kernel) or VNNI (oneDNN)")
 @pytest.mark.parametrize(("vocab", "hidden"), [(51864, 384), (1003, 512)])  # tiny.en's; a vocabulary not of 16s
-def test_matches_the_float_projection_within_int8_rounding(vocab: int, hidden: int, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # on AMX: the SGL kernel, then oneDNN
+def test_matches_the_float_projection_within_int8_rounding(vocab: int, hidden: int, dtype: torch.dtype,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    if dtype == torch.float32 and not VNNI:
+        pytest.skip("a float32 model's projection runs on oneDNN, taken only with VNNI")
     g = torch.Generator().manual_seed(vocab)
     # Rows of different scales, as an embedding's are, and one all-zero row (its scale must stay positive).
-    w = (torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g) * 0.1).to(torch.bfloat16)
+    w = (torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g) * 0.1).to(dtype)
     w[7] = 0
-    head, took = dispatched(w, monkeypatch)
+    head, took = dispatched(w, monkeypatch, dtype=dtype)
     assert took
     for m in (1, 3, 17):
-        x = (torch.randn(m, hidden, generator=g) * 4).to(torch.bfloat16)
+        x = (torch.randn(m, hidden, generator=g) * 4).to(dtype)
         out = head.cpu_linear(x, head.weight, None)
-        assert out.shape == (m, vocab) and out.dtype == torch.bfloat16
+        assert out.shape == (m, vocab) and out.dtype == dtype
         ref = x.float() @ w.float().t()
         err = (out.float() - ref).abs()
         assert (err <= error_bound(x, w, out)).all(), float((err - error_bound(x, w, out)).max())
@@ -81,25 +88,26 @@ def test_matches_the_float_projection_within_int8_rounding(vocab: int, hidden: i
         clear = (top2[:, 0] - top2[:, 1]) > 2 * err.max(1).values
         assert torch.equal(out.float().argmax(1)[clear], ref.argmax(1)[clear])
     # A 3D input (batch, seq, hidden) keeps its leading dimensions; a bias is added.
-    x = torch.randn(2, 2, hidden, generator=g).to(torch.bfloat16)
-    bias = torch.randn(vocab, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 2, hidden, generator=g).to(dtype)
+    bias = torch.randn(vocab, generator=g).to(dtype)
     out = head.cpu_linear(x, head.weight, bias)
     assert out.shape == (2, 2, vocab)
     assert torch.allclose(out.float() - head.cpu_linear(x, head.weight, None).float(), bias.float(), atol=0.07)
 
 
-@pytest.mark.parametrize(("flag", "dtype"), [("0", torch.bfloat16), ("", torch.bfloat16), ("1", torch.float32)])
-def test_changes_nothing_where_it_does_not_apply(flag: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
-    """Not asked for, or a float32 model (the SGL kernel takes bf16/fp16 only): the layer is left to vLLM's own
-    float dispatch."""
-    head, took = dispatched(torch.randn(64, 32).to(dtype), monkeypatch, flag, dtype)
+@pytest.mark.parametrize("flag", ["0", ""])
+def test_changes_nothing_unless_asked(flag: str, monkeypatch: pytest.MonkeyPatch):
+    """Not asked for: the layer is left to vLLM's own float dispatch."""
+    head, took = dispatched(torch.randn(64, 32).to(torch.bfloat16), monkeypatch, flag)
     assert not took and not hasattr(head, "cpu_linear")
 
 
-@pytest.mark.skipif(AMX, reason="checks a CPU without AMX")
-def test_off_without_amx(monkeypatch: pytest.MonkeyPatch):
-    head, took = dispatched(torch.randn(64, 32).to(torch.bfloat16), monkeypatch)
-    assert not took and not hasattr(head, "cpu_linear")
+@pytest.mark.skipif(AMX or VNNI, reason="checks a CPU with neither AMX nor VNNI")
+def test_off_without_amx_or_vnni(monkeypatch: pytest.MonkeyPatch):
+    """AVX2 alone: oneDNN's u8 x s8 products saturate in int16, so the projection stays float."""
+    for dtype in (torch.bfloat16, torch.float32):
+        head, took = dispatched(torch.randn(64, 32).to(dtype), monkeypatch, dtype=dtype)
+        assert not took and not hasattr(head, "cpu_linear")
 
 
 @pytest.mark.parametrize(("quantization", "setting", "kind", "expected"),

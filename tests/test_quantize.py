@@ -444,12 +444,14 @@ OUTPUT_PROJECTION_LINE = "CPU output projection in int8 (mmcpu patch 0030)"
 def test_int8_output_projection_where_it_applies(int8_engine: Engine, int8_float32_engine: Engine,
                                                  whisper_engine: Engine, unquantised_hyps: list[str],
                                                  sentence_clips: list[tuple[Path, str]]):
-    """patches/0030: the int8 checkpoint in this CPU's default dtype runs its output projection int8 where the SGL
-    int8 kernel applies (AMX, a bf16 model), and its WER stays within the int8 margin of the unquantised model's;
-    a float32 engine keeps it float."""
-    applies = cpu.current().isa == "amx" and served_dtype(int8_engine.model) in ("bfloat16", "float16")
+    """patches/0030: the int8 checkpoint runs its output projection int8 on the kernel its other int8 linears use
+    (the SGL kernel on AMX with a bf16 model, else oneDNN, taken only with VNNI), and its WER stays within the int8
+    margin of the unquantised model's; on a CPU with neither the projection stays float."""
+    flags = set(cpu.current().flags)
+    sgl = cpu.current().isa == "amx" and served_dtype(int8_engine.model) in ("bfloat16", "float16")
+    applies = sgl or "avx512_vnni" in flags
     assert (OUTPUT_PROJECTION_LINE in int8_engine.log()) == applies
-    assert OUTPUT_PROJECTION_LINE not in int8_float32_engine.log()
+    assert (OUTPUT_PROJECTION_LINE in int8_float32_engine.log()) == ("avx512_vnni" in flags)
     if applies:
         assert_wer_within_margin(int8_engine, "int8 + int8 output projection", unquantised_hyps, whisper_engine,
                                  sentence_clips)
