@@ -105,8 +105,8 @@ class Settings(BaseSettings):
     int8_lm_head: bool = Field(
         True, description="with an int8 Whisper checkpoint, its output projection (tied to the token embedding, so the "
         "checkpoint keeps it float) runs int8 too, on the kernel the other int8 linears use: AMX with a bf16 model, or "
-        "oneDNN on CPUs with VNNI (patches/0030): one decode step 11 % faster at c=1, same WER "
-        "(docs/bench/c1-profile.md). On AVX2 alone it stays float",
+        "oneDNN on CPUs with VNNI (patches/0030): one decode step 10-12 % faster at c=1 on an AMD EPYC Zen 5 and an "
+        "Intel Xeon with AMX, same WER (docs/bench/c1-profile.md). On AVX2 alone it stays float",
     )
     compile: bool = Field(
         False,

@@ -447,11 +447,10 @@ def test_int8_output_projection_where_it_applies(int8_engine: Engine, int8_float
     """patches/0030: the int8 checkpoint runs its output projection int8 on the kernel its other int8 linears use
     (the SGL kernel on AMX with a bf16 model, else oneDNN, taken only with VNNI), and its WER stays within the int8
     margin of the unquantised model's; on a CPU with neither the projection stays float."""
-    flags = set(cpu.current().flags)
     sgl = cpu.current().isa == "amx" and served_dtype(int8_engine.model) in ("bfloat16", "float16")
-    applies = sgl or "avx512_vnni" in flags
+    applies = sgl or VNNI
     assert (OUTPUT_PROJECTION_LINE in int8_engine.log()) == applies
-    assert (OUTPUT_PROJECTION_LINE in int8_float32_engine.log()) == ("avx512_vnni" in flags)
+    assert (OUTPUT_PROJECTION_LINE in int8_float32_engine.log()) == VNNI
     if applies:
         assert_wer_within_margin(int8_engine, "int8 + int8 output projection", unquantised_hyps, whisper_engine,
                                  sentence_clips)
