@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -73,9 +74,9 @@ def test_a_third_party_import_fails_there_even_where_the_package_is_installed():
 
 
 def fact(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    # PYTHONPATH pointing at a venv must not matter: -I ignores it.
+    # PYTHONPATH naming this venv's site-packages (pydantic, psutil, ...) must not matter: -I ignores it.
     return subprocess.run([str(E2E), "fact", *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(Path(sys.prefix) / "lib"), **(env or {})})
+                          env={**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], **(env or {})})
 
 
 def test_each_fact_answers_through_the_scripts_wrapper():
