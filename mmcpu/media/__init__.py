@@ -1,0 +1,11 @@
+"""What a request may make an engine fetch and decode: the media-URL policy and the size limits checked before
+decoding (docs/security.md).
+
+- :mod:`mmcpu.media.policy`: which URLs may be fetched (``data:`` only unless MMCPU_MEDIA_DOMAINS lists hosts) and
+  which addresses may be connected to (public unicast only, checked on the address actually connected to).
+- :mod:`mmcpu.media.limits`: encoded bytes per item (MMCPU_MAX_MEDIA_MB) and pixels per image, frames included
+  (MMCPU_MAX_IMAGE_PIXELS), read from the container's header before anything is decoded.
+- :mod:`mmcpu.media.connector`: vLLM's media connector with both, registered as ``mmcpu`` in vLLM's
+  ``MEDIA_CONNECTOR_REGISTRY`` by the general plugin (mmcpu/plugin.py) and selected by ``VLLM_MEDIA_CONNECTOR``,
+  which the launcher sets for every engine.
+"""
