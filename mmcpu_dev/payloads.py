@@ -139,8 +139,18 @@ def audio_file(seconds: float, fmt: str = "wav", *, sample_rate: int = 16000, to
     samples = 0.3 * np.sin(2 * np.pi * tone_hz * t) if tone_hz else np.zeros_like(t)
     major, subtype, _mime = AUDIO_FORMATS[fmt]
     buf = io.BytesIO()
-    soundfile.write(buf, samples.astype(np.float32), sample_rate, format=major, subtype=subtype)
+    # In blocks of a minute: libsndfile's Vorbis encoder crashes on one write of many minutes.
+    with soundfile.SoundFile(buf, "w", sample_rate, 1, format=major, subtype=subtype) as out:
+        block = 60 * sample_rate
+        for start in range(0, len(samples), block):
+            out.write(samples[start : start + block].astype(np.float32))
     return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=4)
+def long_silence(seconds: float, fmt: str, sample_rate: int = 8000) -> bytes:
+    """``audio_file`` of silence, built once per process (minutes of audio take seconds to encode)."""
+    return audio_file(seconds, fmt, sample_rate=sample_rate, tone_hz=None)
 
 
 def audio_mime(fmt: str) -> str:
@@ -251,11 +261,18 @@ def webp_declaring(width: int, height: int, frames: int = 1) -> bytes:
 
 
 @functools.lru_cache(maxsize=8)
-def png_bomb(side: int, mode: str = "1") -> bytes:
-    """A REAL side x side PNG of one colour: every pixel is there, and zlib makes it tiny (13000 px, 1 bit: ~30 KB
-    that decode to ~480 MiB of RGB)."""
+def png_bomb(width: int, height: int | None = None) -> bytes:
+    """A REAL width x height (default square) 1-bit PNG of one colour: every pixel is there, and zlib makes it tiny
+    (13000 px: ~20 KB that decode to ~480 MiB of RGB)."""
     buf = io.BytesIO()
-    Image.new(mode, (side, side)).save(buf, format="PNG", optimize=False)
+    Image.new("1", (width, height or width)).save(buf, format="PNG", optimize=False)
+    return buf.getvalue()
+
+
+def image_bytes(fmt: str, size: int = 16) -> bytes:
+    """A small picture saved in any format PIL writes (BMP, TIFF, ICO, ...)."""
+    buf = io.BytesIO()
+    test_image(1, size).save(buf, format=fmt)
     return buf.getvalue()
 
 

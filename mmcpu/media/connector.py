@@ -34,13 +34,10 @@ from vllm.multimodal.media.video import VideoMediaIO
 from yarl import URL
 
 from mmcpu.config import get_settings
-from mmcpu.media import limits
-from mmcpu.media.policy import Policy, Refused, PublicResolver
+from mmcpu.media import FETCH_FAILED, limits
+from mmcpu.media.policy import Policy, PublicResolver, Refused
 
 NAME = "mmcpu"
-# The one answer to every failed fetch (INTERFACES: no echoed connection detail).
-FETCH_FAILED = ("Could not load media from this URL. This server loads data: URLs, and http(s) URLs only from the "
-                "hosts its operator allows (MMCPU_MEDIA_DOMAINS) when they answer in time with a supported file.")
 BAD_BASE64 = "The data: URL's payload is not valid base64."
 MAX_REDIRECTS = 3
 DEFAULT_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT default, for a caller that passes none
