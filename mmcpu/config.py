@@ -240,18 +240,11 @@ class Settings(BaseSettings):
                 "vision": EngineRole(model=self.vision_model, port=self.vision_port, args=self.vision_args),
                 **self.engine_roles}
 
-    @field_validator("vad_default", mode="before")
+    @field_validator("vad_default", "media_domains", mode="before")
     @classmethod
-    def _parse_vad_default(cls, value: object) -> object:
-        # 'whisper-tiny.en,whisper-base' in compose and Kubernetes, like MMCPU_ENGINES (not JSON).
-        if isinstance(value, str):
-            return [name for name in (part.strip() for part in value.split(",")) if name]
-        return value
-
-    @field_validator("media_domains", mode="before")
-    @classmethod
-    def _parse_media_domains(cls, value: object) -> object:
-        # 'images.example.com,cdn.example.org' like MMCPU_VAD_DEFAULT (not JSON).
+    def _parse_name_list(cls, value: object) -> object:
+        # 'whisper-tiny.en,whisper-base' / 'img.example.com,cdn.example.org' in compose and Kubernetes, like
+        # MMCPU_ENGINES (not JSON).
         if isinstance(value, str):
             return [name for name in (part.strip() for part in value.split(",")) if name]
         return value

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import statistics
-import threading
 import time
 import warnings
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -27,6 +24,7 @@ from mmcpu.media import FETCH_FAILED
 from mmcpu_dev import hard_inputs, speech
 from mmcpu_dev.checks import WER_LIMIT
 from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev.servers import closed_port, counting_http_server
 
 pytestmark = pytest.mark.slow
 
@@ -69,39 +67,14 @@ def test_vision_hard_input(vision_gateway, llava_engine, case):
     _assert_case_then_alive(vision_gateway, llava_engine, case, "vision")
 
 
-class _Counting(ThreadingHTTPServer):
-    daemon_threads = True
-    hits = 0
-
-
-class _Answer(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.server.hits += 1
-        self.send_response(200)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    def log_message(self, *args):
-        pass
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_open_and_closed_internal_ports_answer_alike(vision_gateway, llava_engine, whisper_engine):
     """Image URLs at loopback in four spellings, every one listed in MMCPU_MEDIA_DOMAINS: the open ports (both
     engines, the gateway, a web server that counts its requests) and closed ones get the same status and the same
     bytes, in the same time (open and closed interleaved; medians within 25 ms + 50 %), and nothing connects to the
     counting server."""
-    server = _Counting(("127.0.0.1", 0), _Answer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with counting_http_server() as server:
         opened = [llava_engine.port, whisper_engine.port, vision_gateway.port, server.server_address[1]]
-        closed = [_closed_port() for _ in opened]
+        closed = [closed_port() for _ in opened]
         answers, times = set(), {"open": [], "closed": []}
         client = httpx.Client(base_url=vision_gateway.url, headers={"Authorization": f"Bearer {GATEWAY_KEY}"},
                               timeout=60)
@@ -114,13 +87,11 @@ def test_open_and_closed_internal_ports_answer_alike(vision_gateway, llava_engin
                     response = client.post("/v1/chat/completions", json=body)
                     times[kind].append(time.perf_counter() - t0)
                     answers.add((response.status_code, response.content))
-    finally:
-        server.shutdown()
-        server.server_close()
+        hits = server.hits
     assert len(answers) == 1, answers
     ((status, content),) = answers
     assert status == 400 and json.loads(content)["error"]["message"].startswith(FETCH_FAILED)
-    assert server.hits == 0
+    assert hits == 0
     median = {kind: statistics.median(t) for kind, t in times.items()}
     assert abs(median["open"] - median["closed"]) < 0.025 + 0.5 * max(median.values()), median
     print(f"\nmedian answer: open ports {median['open'] * 1000:.1f} ms, closed {median['closed'] * 1000:.1f} ms")

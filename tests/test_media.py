@@ -12,14 +12,13 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from mmcpu.plugin import register
 from mmcpu_dev import payloads
+from mmcpu_dev.servers import closed_port, counting_http_server
 
 register()  # as vLLM's load_general_plugins() does in the API server
 from vllm.exceptions import VLLMValidationError  # noqa: E402
@@ -162,39 +161,11 @@ def test_refused_before_any_large_allocation():
 
 
 # --- the connector, as vLLM builds it ----------------------------------------------------------------------
-class _Counting(ThreadingHTTPServer):
-    daemon_threads = True
-    hits = 0
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.server.hits += 1
-        body = json.dumps({"object": "list", "data": []}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture()
 def listening():
     """An open port on loopback that answers every GET, counting them (an internal service)."""
-    server = _Counting(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # closed again once the with-block ends
+    with counting_http_server() as server:
+        yield server
 
 
 def _load(conn, url: str, *, async_: bool = True):
@@ -221,12 +192,12 @@ def _listed_hosts(port: int) -> list[str]:
 def test_internal_urls_refused_without_connecting(listening, async_):
     """Every spelling of loopback, each LISTED in the allowlist: the same 400 and fixed text for the open port and
     a closed one, and the open one never sees a connection."""
-    open_port, closed_port = listening.server_address[1], _closed_port()
+    open_port, shut_port = listening.server_address[1], closed_port()
     domains = ["localhost", "127.0.0.1", "2130706433", "0177.0.0.1", "0x7f.1", "127.1", "::ffff:127.0.0.1", "::1",
                "0.0.0.0"]
     conn = MEDIA_CONNECTOR_REGISTRY.load(connector.NAME, allowed_media_domains=domains)
     answers = set()
-    for url in _listed_hosts(open_port) + _listed_hosts(closed_port) + ["http://unlisted.example/x.png",
+    for url in _listed_hosts(open_port) + _listed_hosts(shut_port) + ["http://unlisted.example/x.png",
                                                                         "file:///etc/passwd", "ftp://x/y"]:
         with pytest.raises(VLLMValidationError) as info:
             _load(conn, url, async_=async_)
@@ -251,7 +222,7 @@ def test_open_and_closed_ports_take_the_same_time(listening):
 
     for host in ("127.0.0.1", "localhost"):
         opened = median_ms(f"http://{host}:{listening.server_address[1]}/")
-        closed = median_ms(f"http://{host}:{_closed_port()}/")
+        closed = median_ms(f"http://{host}:{closed_port()}/")
         assert opened < 50 and closed < 50 and abs(opened - closed) < 5, (host, opened, closed)
     assert listening.hits == 0
 
