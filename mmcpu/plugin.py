@@ -9,9 +9,9 @@ before the worker class is imported.
 :func:`register` waits for vLLM's media connector module, which the API server imports to render chats, and
 registers :class:`mmcpu.media.connector.PolicyMediaConnector` in its ``MEDIA_CONNECTOR_REGISTRY`` as ``mmcpu``
 (the launcher sets ``VLLM_MEDIA_CONNECTOR=mmcpu``; docs/security.md). It also waits for vLLM's CPU worker module to
-be imported - only a process that builds a CPU worker imports it: the EngineCore with the uniproc executor, the worker with ``mp``; never the API server. Then, whatever
-the runner, it adds one method to ``CPUWorker``, :data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention
-pass of Whisper's word timestamps, which the API server calls with ``collective_rpc`` (patches/0022). With
+be imported - only a process that builds a CPU worker imports it: the EngineCore with the uniproc executor, the
+worker with ``mp``; never the API server. Then, whatever the runner, it adds one method to ``CPUWorker``,
+:data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention pass of Whisper's word timestamps, which the API server calls with ``collective_rpc`` (patches/0022). With
 ``TRITON_INTERPRET=1`` (without it there is no interpreter to replace) it also wraps three methods of
 ``CPUWorker``:
 

@@ -110,7 +110,8 @@ def _stt(audio: bytes | Callable[[], bytes], fmt: str = "wav", *, endpoint: str 
 
     def build(model: str) -> Request:
         args = transcription_kwargs(
-            audio() if callable(audio) else audio, model=model, filename=f"audio.{fmt}", content_type=payloads.audio_mime(fmt), **kwargs
+            audio() if callable(audio) else audio, model=model, filename=f"audio.{fmt}",
+            content_type=payloads.audio_mime(fmt), **kwargs
         )
         if endpoint == TRANSLATIONS:
             args.pop("language", None)  # translations take no language
@@ -366,11 +367,13 @@ CASES += [
          why="500 images: refused by count before any is decoded"),
     Case("video-url-on-image-model", CHAT, "vision",
          _chat_with(messages=[{"role": "user", "content": [
-             {"type": "video_url", "video_url": {"url": "http://127.0.0.1:8002/v.mp4"}}, {"type": "text", "text": "?"}]}]),
+             {"type": "video_url", "video_url": {"url": "http://127.0.0.1:8002/v.mp4"}},
+             {"type": "text", "text": "?"}]}]),
          why="a video part for a model without video input"),
     Case("audio-url-on-image-model", CHAT, "vision",
          _chat_with(messages=[{"role": "user", "content": [
-             {"type": "audio_url", "audio_url": {"url": "http://127.0.0.1:8001/a.wav"}}, {"type": "text", "text": "?"}]}]),
+             {"type": "audio_url", "audio_url": {"url": "http://127.0.0.1:8001/a.wav"}},
+             {"type": "text", "text": "?"}]}]),
          why="an audio part for a model without audio input"),
     Case("image-embeds-not-enabled", CHAT, "vision",
          _chat_with(messages=[{"role": "user", "content": [
@@ -408,8 +411,8 @@ CASES += [
       ]],
     # --- bodies the gateway bounds (agreed answers; the audio route for multipart, chat for JSON) ---------------
     Case("json-body-over-upload-limit", CHAT, "vision",
-         lambda model: RawRequest(CHAT, b'{"model": "' + model.encode() + b'", "x": "' + b"a" * ((MAX_UPLOAD_MB << 20) + 1)
-                                  + b'"}', {"Content-Type": "application/json"}),
+         lambda model: RawRequest(CHAT, b'{"model": "' + model.encode() + b'", "x": "'
+                                  + b"a" * ((MAX_UPLOAD_MB << 20) + 1) + b'"}', {"Content-Type": "application/json"}),
          status=413, why=f"a JSON body one byte over MMCPU_MAX_UPLOAD_MB ({MAX_UPLOAD_MB} MiB): 413 request_too_large"),
     Case("chunked-body-over-upload-limit", CHAT, "vision",
          lambda model: RawRequest(CHAT, b" " * ((MAX_UPLOAD_MB << 20) + 1024), {"Content-Type": "application/json",
@@ -682,9 +685,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--audio-model")
     parser.add_argument("--vision-model")
     parser.add_argument("--only", choices=["audio", "vision"], action="append")
+    parser.add_argument("--include-pending", action="store_true", help="also the cases marked pending (PENDING)")
     args = parser.parse_args(argv)
     models = {k: v for k, v in {"audio": args.audio_model, "vision": args.vision_model}.items() if v}
-    results = run_all(args.base_url, args.api_key, models=models, modalities=args.only or ("audio", "vision"))
+    results = run_all(args.base_url, args.api_key, models=models, modalities=args.only or ("audio", "vision"),
+                      include_pending=args.include_pending)
     for r in results:
         print(f"{'PASS' if r.ok else 'FAIL'} {r.case.name} [{r.case.endpoint}] -> {r.status}: {r.detail}", flush=True)
     return 0 if all(r.ok for r in results) else 1
