@@ -16,15 +16,18 @@ import time
 
 import pytest
 
-from mmcpu.plugin import register
+import vllm.multimodal.media.connector as vllm_connector
+from vllm.exceptions import VLLMValidationError
+from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY
+
+from mmcpu.media import connector, limits, policy
+from mmcpu.plugin import add_media_connector
 from mmcpu_dev import payloads
 from mmcpu_dev.servers import closed_port, counting_http_server
 
-register()  # as vLLM's load_general_plugins() does in the API server
-from vllm.exceptions import VLLMValidationError  # noqa: E402
-from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY  # noqa: E402
-
-from mmcpu.media import connector, limits, policy  # noqa: E402
+# What the plugin's register() does once vLLM has imported its connector module in the API server (without leaving
+# register()'s import hooks in this test process: tests/test_plugin.py checks those).
+add_media_connector(vllm_connector)
 
 LIMIT = 16 * 2**20  # pixels, for the header checks
 
