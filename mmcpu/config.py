@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -16,10 +15,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # root, only site-packages, so there the defaults are the user's cache and the image's /models.
 IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file()
 
-# Images per chat request the vision engine accepts (vLLM --limit-mm-per-prompt): the fixture tests send two
-# different images per request and the hard-input catalogue one more than the limit.
+# Images per chat request (MMCPU_MAX_IMAGES' default): the launcher gives every vision engine vLLM's
+# --limit-mm-per-prompt from it (mmcpu.launch.engine_argv); the fixture tests send two different images per request
+# and the hard-input catalogue one more than the limit.
 IMAGE_LIMIT = 4
-VISION_LIMIT_ARGS = ["--limit-mm-per-prompt", json.dumps({"image": IMAGE_LIMIT}, separators=(",", ":"))]
+# Pixels per image and encoded MiB per media item (MMCPU_MAX_IMAGE_PIXELS / MMCPU_MAX_MEDIA_MB): measured so that a
+# request at every default holds at most ~25 % of the 3 GiB vision engine (docs/security.md#memory-per-request).
+MAX_IMAGE_PIXELS = 12_000_000  # a 12-megapixel photo (4000x3000)
+MAX_MEDIA_MB = 10.0
+
+
+def vision_limit_args(max_images: int) -> list[str]:
+    """vLLM's per-request image limit as the launcher passes it."""
+    return ["--limit-mm-per-prompt", json.dumps({"image": max_images}, separators=(",", ":"))]
+
+
+VISION_LIMIT_ARGS = vision_limit_args(IMAGE_LIMIT)
 
 
 class EngineRole(BaseModel):
@@ -129,9 +140,7 @@ class Settings(BaseSettings):
     vision_model: str = Field("/models/tiny-llava", description="model served by the vision engine")
     vision_port: int = Field(8002, description="port of the vision engine")
     audio_args: str = Field("", description="extra vLLM arguments of the audio engine, shell-split")
-    vision_args: str = Field(
-        shlex.join(VISION_LIMIT_ARGS), description="extra vLLM arguments of the vision engine, shell-split"
-    )
+    vision_args: str = Field("", description="extra vLLM arguments of the vision engine, shell-split")
     engine_roles: dict[str, EngineRole] = Field(
         default_factory=dict,
         description="engine roles beyond audio and vision, JSON: '{\"NAME\": {\"model\": \"/models/m\", \"port\": "
@@ -150,6 +159,29 @@ class Settings(BaseSettings):
     watchdog_failures: int = Field(
         2, ge=1, description="consecutive failed progress checks after which the launcher kills a hung engine and "
         "exits 1 (the restart policy / kubelet then restarts it)"
+    )
+
+    # --- media: what one request may make an engine fetch and decode (mmcpu/media; docs/security.md) ---------
+    max_image_pixels: int = Field(
+        MAX_IMAGE_PIXELS, gt=0, description="pixels per image, width x height x frames (GIF, WebP, APNG), read from "
+        "the image's header before it is decoded; larger: 400 naming this setting. At the defaults a request holds "
+        "at most ~25 % of a 3 GiB vision engine (docs/security.md#memory-per-request)"
+    )
+    max_images: int = Field(
+        IMAGE_LIMIT, ge=1, description="images per chat request: vLLM's --limit-mm-per-prompt of every vision engine "
+        "(the launcher passes it unless the engine's args set their own); more: 400 before any image is loaded"
+    )
+    max_media_mb: float = Field(
+        MAX_MEDIA_MB, gt=0, description="encoded MiB per media item, a data: URL's payload (checked before base64 is "
+        "decoded) or a download (Content-Length, then while reading); larger: 400 naming this setting"
+    )
+    media_domains: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="hosts (comma-separated, exact names) whose http(s) media URLs engines may fetch, passed to "
+        "vLLM as --allowed-media-domains. Empty: data: URLs only. Even a listed host is fetched only from public "
+        "addresses (never loopback, private, link-local, cluster or metadata ones), redirects included; every "
+        "failed fetch answers one fixed 400 (docs/security.md)",
+        json_schema_extra={"doc_default": "empty: `data:` URLs only"},
     )
 
     # --- gateway -------------------------------------------------------------------------------
@@ -208,10 +240,11 @@ class Settings(BaseSettings):
                 "vision": EngineRole(model=self.vision_model, port=self.vision_port, args=self.vision_args),
                 **self.engine_roles}
 
-    @field_validator("vad_default", mode="before")
+    @field_validator("vad_default", "media_domains", mode="before")
     @classmethod
-    def _parse_vad_default(cls, value: object) -> object:
-        # 'whisper-tiny.en,whisper-base' in compose and Kubernetes, like MMCPU_ENGINES (not JSON).
+    def _parse_name_list(cls, value: object) -> object:
+        # 'whisper-tiny.en,whisper-base' / 'img.example.com,cdn.example.org' in compose and Kubernetes, like
+        # MMCPU_ENGINES (not JSON).
         if isinstance(value, str):
             return [name for name in (part.strip() for part in value.split(",")) if name]
         return value

@@ -25,11 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmcpu import cpu, defaults, health
-from mmcpu.config import Settings, get_settings
+from mmcpu.config import Settings, get_settings, vision_limit_args
 from mmcpu.cpu import Cpus, cgroup_memory_limit
 from mmcpu.health import ROLE_FILE, model_kind
 from mmcpu.names import served_name
 from mmcpu.supervisor import Process, supervise, watchdogs
+
+
+# vLLM's media connector the plugin registers (mmcpu.media.connector.NAME; not imported here: it imports vLLM).
+MEDIA_CONNECTOR = "mmcpu"
 
 
 # vLLM's default multimodal processor cache (--mm-processor-cache-gb) and our share of a container's memory for
@@ -80,6 +84,11 @@ def engine_env(settings: Settings, base: dict[str, str] | None = None, cpus: Cpu
         # vLLM's CPU platform accepts the uniproc executor only with this off (vllm/platforms/cpu.py); the API
         # server still runs the EngineCore in its own process (AsyncMPClient), the worker moves into it.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Media URLs and sizes go through mmcpu's connector (mmcpu/media, registered by the plugin): set, not defaulted,
+    # so an inherited VLLM_MEDIA_CONNECTOR cannot reopen fetching. vLLM's own pixel check (after opening, before
+    # decoding) gets the same limit as a second line.
+    env["VLLM_MEDIA_CONNECTOR"] = MEDIA_CONNECTOR
+    env["VLLM_MAX_IMAGE_PIXELS"] = str(settings.max_image_pixels)
     env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if settings.runner == "v2" else "0"
     if settings.runner == "v2" and settings.triton_interpret:
         # No triton-cpu on PyPI: MRV2's @triton.jit kernels run in Triton's interpreter
@@ -106,20 +115,20 @@ def preflight(settings: Settings, env: dict[str, str] | None = None) -> str | No
         if settings.compile:
             return ("MMCPU_COMPILE=1 needs a C++ compiler for inductor and there is none here ($CXX / g++); "
                     "leave it off (eager measured as fast for these models: docs/benchmarks.md)")
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "mmcpu" not in plugins.split(","):
+        return (f"VLLM_PLUGINS={plugins!r} leaves out 'mmcpu', the plugin that registers the media connector "
+                f"(VLLM_MEDIA_CONNECTOR={MEDIA_CONNECTOR}) and installs MRV2's native kernels; add it")
     if settings.runner == "v2" and settings.triton_interpret:
         return kernels_preflight(settings)
     return None
 
 
 def kernels_preflight(settings: Settings) -> str | None:
-    """MRV2 under Triton's interpreter: vLLM must load our plugin (mmcpu.plugin installs the kernels in its CPU
-    worker) and, unless ``MMCPU_KERNELS=interpreter`` was chosen, every kernel a request can reach must have a
+    """MRV2 under Triton's interpreter (the plugin loaded, :func:`preflight`): unless ``MMCPU_KERNELS=interpreter``
+    was chosen, every kernel a request can reach must have a
     native version whose guard matches the installed vLLM (:mod:`mmcpu.kernels.check`; read from its stamp in
     milliseconds, else checked once in a subprocess)."""
-    plugins = os.environ.get("VLLM_PLUGINS")
-    if plugins is not None and "mmcpu" not in plugins.split(","):
-        return (f"VLLM_PLUGINS={plugins!r} leaves out 'mmcpu', the plugin that installs MRV2's native kernels in "
-                "vLLM's CPU worker; add it")
     if settings.kernels == "interpreter":
         return None
     from mmcpu.kernels import check
@@ -156,8 +165,11 @@ def engine_argv(
     served_model_name: str | None = None,
     extra: list[str] | None = None,
     dtype: str = "auto",
+    kind: str | None = None,
 ) -> list[str]:
-    """vLLM's command line; ``dtype`` as :func:`choose` resolved it."""
+    """vLLM's command line; ``dtype`` as :func:`choose` resolved it; ``kind`` (audio / vision) from the model unless
+    given."""
+    kind = kind or model_kind(model)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
@@ -173,13 +185,18 @@ def engine_argv(
         argv += ["--max-model-len", str(settings.max_model_len)]
     if not settings.compile:
         argv.append("--enforce-eager")
-    if settings.runner == "v2" and model_kind(model) == "audio" and mrv2_logits_processors():
+    extra_args = shlex.split(settings.extra_args) + list(extra or [])
+    if kind == "vision" and "--limit-mm-per-prompt" not in extra_args:
+        argv += vision_limit_args(settings.max_images)
+    if settings.media_domains:
+        argv += ["--allowed-media-domains", *settings.media_domains]
+    if settings.runner == "v2" and kind == "audio" and mrv2_logits_processors():
         argv += ["--logits-processors", TIMESTAMP_RULES]
     if settings.drain_s > 0:
         # On SIGTERM vLLM then stops admitting and lets in-flight requests finish for up to this long (its
         # default, 0, aborts them). compose's stop_grace_period is this plus a margin.
         argv += ["--shutdown-timeout", str(math.ceil(settings.drain_s))]
-    return argv + shlex.split(settings.extra_args) + list(extra or [])
+    return argv + extra_args
 
 
 def choose(kind: str, model: str, settings: Settings, *, from_table: bool = True) -> defaults.Resolved:
@@ -220,7 +237,7 @@ class EngineSpec:
     def argv(self, settings: Settings, chosen: defaults.Resolved) -> list[str]:
         """vLLM's command line, loading what :meth:`choose` resolved under the model's own name."""
         return engine_argv(chosen.model, settings, port=self.port, extra=list(self.args), dtype=chosen.dtype,
-                           served_model_name=self.served_model_name or served_name(self.model))
+                           served_model_name=self.served_model_name or served_name(self.model), kind=self.kind)
 
     def env(self, settings: Settings, base: dict[str, str] | None = None) -> dict[str, str]:
         return engine_env(settings, base, self.cpus or Cpus.current(), self.port)

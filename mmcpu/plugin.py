@@ -1,14 +1,17 @@
-"""mmcpu's vLLM plugin: MRV2's Triton kernels run natively in vLLM's CPU worker, without editing vLLM's files.
+"""mmcpu's vLLM plugin: MRV2's Triton kernels run natively in vLLM's CPU worker, and media URLs and sizes go through
+mmcpu's own connector, without editing vLLM's files.
 
 Registered in pyproject.toml as the entry point ``mmcpu = "mmcpu.plugin:register"`` of the ``vllm.general_plugins``
 group, which vLLM's ``load_general_plugins()`` calls once in every process it runs: the API server
 (``EngineArgs``), each EngineCore (``vllm/v1/engine/core.py``) and each worker (``vllm/v1/worker/worker_base.py``),
 before the worker class is imported.
 
-:func:`register` waits for vLLM's CPU worker module to be imported - only a process that builds a CPU worker
-imports it: the EngineCore with the uniproc executor, the worker with ``mp``; never the API server. Then, whatever
-the runner, it adds one method to ``CPUWorker``, :data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention
-pass of Whisper's word timestamps, which the API server calls with ``collective_rpc`` (patches/0022). With
+:func:`register` waits for vLLM's media connector module, which the API server imports to render chats, and
+registers :class:`mmcpu.media.connector.PolicyMediaConnector` in its ``MEDIA_CONNECTOR_REGISTRY`` as ``mmcpu``
+(the launcher sets ``VLLM_MEDIA_CONNECTOR=mmcpu``; docs/security.md). It also waits for vLLM's CPU worker module to
+be imported - only a process that builds a CPU worker imports it: the EngineCore with the uniproc executor, the
+worker with ``mp``; never the API server. Then, whatever the runner, it adds one method to ``CPUWorker``,
+:data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention pass of Whisper's word timestamps, which the API server calls with ``collective_rpc`` (patches/0022). With
 ``TRITON_INTERPRET=1`` (without it there is no interpreter to replace) it also wraps three methods of
 ``CPUWorker``:
 
@@ -39,15 +42,26 @@ from typing import Any
 logger = logging.getLogger("vllm.mmcpu.plugin")
 
 WORKER_MODULE = "vllm.v1.worker.cpu_worker"
+# Where vLLM's media connectors live: only a process that renders chats imports it (the API server).
+CONNECTOR_MODULE = "vllm.multimodal.media.connector"
 HOOKED_METHODS = ("init_device", "compile_or_warm_up_model", "shutdown")
 
 
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (see the module docstring)."""
+    after_import(CONNECTOR_MODULE, add_media_connector)
     after_import(WORKER_MODULE, add_word_alignment)
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     after_import(WORKER_MODULE, hook_cpu_worker)
+
+
+def add_media_connector(module: ModuleType) -> None:
+    """Register :class:`mmcpu.media.connector.PolicyMediaConnector` in the module's ``MEDIA_CONNECTOR_REGISTRY``."""
+    if not hasattr(module, "MEDIA_CONNECTOR_REGISTRY"):
+        raise RuntimeError(f"mmcpu plugin: this vLLM's {CONNECTOR_MODULE} has no MEDIA_CONNECTOR_REGISTRY: the media "
+                           "URL policy and size limits cannot be installed (mmcpu/media)")
+    import mmcpu.media.connector  # noqa: F401 - registers itself
 
 
 def add_word_alignment(module: ModuleType) -> None:

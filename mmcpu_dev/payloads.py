@@ -7,6 +7,7 @@ Each builder returns keyword arguments for the unmodified ``openai`` client, e.g
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import struct
@@ -14,6 +15,7 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -137,8 +139,18 @@ def audio_file(seconds: float, fmt: str = "wav", *, sample_rate: int = 16000, to
     samples = 0.3 * np.sin(2 * np.pi * tone_hz * t) if tone_hz else np.zeros_like(t)
     major, subtype, _mime = AUDIO_FORMATS[fmt]
     buf = io.BytesIO()
-    soundfile.write(buf, samples.astype(np.float32), sample_rate, format=major, subtype=subtype)
+    # In blocks of a minute: libsndfile's Vorbis encoder crashes on one write of many minutes.
+    with soundfile.SoundFile(buf, "w", sample_rate, 1, format=major, subtype=subtype) as out:
+        block = 60 * sample_rate
+        for start in range(0, len(samples), block):
+            out.write(samples[start : start + block].astype(np.float32))
     return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=4)
+def long_silence(seconds: float, fmt: str, sample_rate: int = 8000) -> bytes:
+    """``audio_file`` of silence, built once per process (minutes of audio take seconds to encode)."""
+    return audio_file(seconds, fmt, sample_rate=sample_rate, tone_hz=None)
 
 
 def audio_mime(fmt: str) -> str:
@@ -196,3 +208,90 @@ def raw_multipart(path: str, fields: dict[str, str], files: dict[str, tuple[str,
         parts.append(f"{head}Content-Type: {mime}\r\n\r\n".encode() + data + b"\r\n")
     parts.append(f"--{boundary}--\r\n".encode())
     return RawRequest(path, b"".join(parts), {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+
+
+# --- images whose pixels are far more than their bytes (decompression bombs), real or declared -----------------
+def _patched_png(data: bytes, kind: bytes, patch: Callable[[bytes], bytes]) -> bytes:
+    """``data`` (a PNG) with the first chunk of ``kind`` rewritten by ``patch`` and its CRC recomputed."""
+    at = data.index(kind) - 4
+    (length,) = struct.unpack(">I", data[at : at + 4])
+    body = patch(data[at + 8 : at + 8 + length])
+    return data[:at] + _png_chunk(kind, body) + data[at + 12 + length :]
+
+
+def _frames(count: int, size: tuple[int, int]) -> list[Image.Image]:
+    # Frames that differ, so no encoder merges them.
+    return [Image.new("RGB", size, ((i * 7) % 256, (i * 13) % 256, (i * 29) % 256)) for i in range(count)]
+
+
+def apng_declaring(width: int, height: int, frames: int) -> bytes:
+    """A real 2-frame 8x8 APNG whose IHDR claims width x height and whose acTL claims ``frames`` frames."""
+    buf = io.BytesIO()
+    first, *rest = _frames(2, (8, 8))
+    first.save(buf, format="PNG", save_all=True, append_images=rest)
+    data = _patched_png(buf.getvalue(), b"IHDR", lambda body: struct.pack(">II", width, height) + body[8:])
+    return _patched_png(data, b"acTL", lambda body: struct.pack(">I", frames) + body[4:])
+
+
+def gif_declaring(width: int, height: int, frames: int) -> bytes:
+    """A real GIF of ``frames`` 8x8 frames whose logical screen claims width x height (each <= 65535): PIL decodes
+    every frame onto a canvas of the screen's size."""
+    buf = io.BytesIO()
+    first, *rest = _frames(frames, (8, 8))
+    first.save(buf, format="GIF", save_all=True, append_images=rest, duration=10)
+    data = bytearray(buf.getvalue())
+    data[6:10] = struct.pack("<HH", width, height)
+    return bytes(data)
+
+
+def webp_declaring(width: int, height: int, frames: int = 1) -> bytes:
+    """A real lossless WebP of ``frames`` 8x8 frames whose VP8X canvas claims width x height (each <= 16384)."""
+    buf = io.BytesIO()
+    first, *rest = _frames(frames, (8, 8))
+    first.save(buf, format="WEBP", save_all=bool(rest), append_images=rest, lossless=True)
+    data = bytearray(buf.getvalue())
+    if data[12:16] == b"VP8X":  # extended (animated): the canvas, 24 bits each, minus one
+        data[24:27] = (width - 1).to_bytes(3, "little")
+        data[27:30] = (height - 1).to_bytes(3, "little")
+    else:  # simple lossless (VP8L): 14 bits each, minus one, then alpha and version bits kept
+        assert data[12:16] == b"VP8L", data[12:16]
+        (bits,) = struct.unpack("<I", data[21:25])
+        data[21:25] = struct.pack("<I", (bits & ~0x0FFFFFFF) | (width - 1) | (height - 1) << 14)
+    return bytes(data)
+
+
+@functools.lru_cache(maxsize=8)
+def png_bomb(width: int, height: int | None = None) -> bytes:
+    """A REAL width x height (default square) 1-bit PNG of one colour: every pixel is there, and zlib makes it tiny
+    (13000 px: ~20 KB that decode to ~480 MiB of RGB)."""
+    buf = io.BytesIO()
+    Image.new("1", (width, height or width)).save(buf, format="PNG", optimize=False)
+    return buf.getvalue()
+
+
+def image_bytes(fmt: str, size: int = 16) -> bytes:
+    """A small picture saved in any format PIL writes (BMP, TIFF, ICO, ...)."""
+    buf = io.BytesIO()
+    test_image(1, size).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=8)
+def jpeg_bomb(side: int) -> bytes:
+    """A REAL side x side JPEG (grey, one colour: a few hundred KB at 8000 px)."""
+    buf = io.BytesIO()
+    Image.new("L", (side, side), 128).save(buf, format="JPEG", quality=1)
+    return buf.getvalue()
+
+
+def wav_declaring(sample_rate: int, seconds_of_data: float = 1.0, claimed_bytes: int | None = None) -> bytes:
+    """A 16-bit mono WAV at ``sample_rate`` Hz (a very low rate makes a few KB last hours, and resampling to the
+    model's 16 kHz multiplies it), optionally with a data chunk that claims ``claimed_bytes``."""
+    samples = np.zeros(max(1, int(sample_rate * seconds_of_data)), dtype=np.int16)
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, sample_rate, format="WAV", subtype="PCM_16")
+    data = bytearray(buf.getvalue())
+    if claimed_bytes is not None:
+        at = data.index(b"data") + 4
+        data[at : at + 4] = struct.pack("<I", claimed_bytes)
+    return bytes(data)

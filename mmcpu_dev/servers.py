@@ -6,6 +6,7 @@ workers too; the log goes to a file the caller can read (e.g. to prove ``Using V
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -13,7 +14,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +235,40 @@ class ServedApp:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+class _Counted(BaseHTTPRequestHandler):
+    """Answers every GET with a small JSON body (like an internal API) and counts it."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.server.hits += 1  # type: ignore[attr-defined]
+        body = b'{"object": "list", "data": []}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def counting_http_server(host: str = "127.0.0.1") -> Iterator[ThreadingHTTPServer]:
+    """An open port on loopback standing for an internal service: ``.hits`` counts the requests it got (a media
+    URL pointing at it must leave it at 0); ``.server_address[1]`` is its port."""
+    server = ThreadingHTTPServer((host, 0), _Counted)
+    server.daemon_threads = True
+    server.hits = 0  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    return free_port()

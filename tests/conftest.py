@@ -8,6 +8,7 @@ line, requirements/lines.env); the regression tests start extra short-lived serv
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mmcpu_dev import lines, speech, wheels
-from mmcpu.config import VISION_LIMIT_ARGS, get_settings
+from mmcpu.config import Settings, get_settings
 from mmcpu_dev.servers import STARTS, assert_native_then_stop, test_engine
 
 SETTINGS = get_settings()
@@ -113,10 +114,47 @@ def base_engine(patched_vllm: Path, logs_dir: Path):
 
 @pytest.fixture(scope="session")
 def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
-    engine = test_engine(llava_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS).start()
+    # --limit-mm-per-prompt comes from MMCPU_MAX_IMAGES (the launcher). The allowlist names loopback in every
+    # spelling the hard-input catalogue sends, so its URL cases prove that even a listed host is refused when it is
+    # not a public address.
+    from mmcpu_dev.hard_inputs import LISTED_LOOPBACK
+
+    engine = test_engine(llava_model, logs_dir, "mrv2-patched",
+                         env={"MMCPU_MEDIA_DOMAINS": ",".join(LISTED_LOOPBACK)}).start()
     print(f"\n[llava MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)
+
+
+# The client key of the gateways in front of the session's engines (tests/test_hard_inputs.py).
+GATEWAY_KEY = "test-client-key"
+
+
+@contextlib.contextmanager
+def gateway_for(**engines):
+    """A gateway (in this process, on loopback, with a client key) in front of the given engines."""
+    from mmcpu.gateway.app import create_app
+    from mmcpu_dev.servers import ServedApp
+
+    served = ServedApp(create_app(Settings(engines=",".join(f"{n}={e.base_url}" for n, e in engines.items()),
+                                           api_key=GATEWAY_KEY)))
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def audio_gateway(whisper_engine):
+    """The gateway in front of this module's Whisper engine alone."""
+    with gateway_for(audio=whisper_engine) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def vision_gateway(llava_engine):
+    with gateway_for(vision=llava_engine) as served:
+        yield served
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ must exit 0 after the child drained; a child that ignores SIGTERM must not outli
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -322,3 +323,28 @@ def test_entrypoint_runs_a_role_of_the_settings(monkeypatch, tmp_path):
             launch.entrypoint(["nobody"])  # argparse: not a role of these settings
     finally:
         get_settings.cache_clear()
+
+
+def test_media_settings_reach_every_engine():
+    """mmcpu's media connector for every engine (set, not defaulted: an inherited VLLM_MEDIA_CONNECTOR cannot reopen
+    fetching); MMCPU_MAX_IMAGES as a vision engine's --limit-mm-per-prompt unless its args carry their own;
+    MMCPU_MEDIA_DOMAINS as --allowed-media-domains."""
+    settings = Settings(max_images=2, media_domains="img.example.com, cdn.example.org", max_image_pixels=1000)
+    env = launch.engine_env(settings, base={"VLLM_MEDIA_CONNECTOR": "http"}, cpus=Cpus((0,)))
+    assert env["VLLM_MEDIA_CONNECTOR"] == "mmcpu" and env["VLLM_MAX_IMAGE_PIXELS"] == "1000"
+    vision = launch.engine_argv("/models/tiny-llava", settings, port=8002, kind="vision")
+    at = vision.index("--limit-mm-per-prompt")
+    assert json.loads(vision[at + 1]) == {"image": 2} and vision.count("--limit-mm-per-prompt") == 1
+    assert vision[vision.index("--allowed-media-domains") + 1:][:2] == ["img.example.com", "cdn.example.org"]
+    own = launch.engine_argv("/models/tiny-llava", settings, port=8002, kind="vision",
+                             extra=["--limit-mm-per-prompt", '{"image":1}'])
+    assert own.count("--limit-mm-per-prompt") == 1 and own[-1] == '{"image":1}'
+    audio = launch.engine_argv("/models/whisper-tiny.en", Settings(), port=8001, kind="audio")
+    assert "--limit-mm-per-prompt" not in audio and "--allowed-media-domains" not in audio
+
+
+def test_an_engine_without_the_plugin_is_refused(monkeypatch):
+    """Without the plugin VLLM_MEDIA_CONNECTOR=mmcpu names nothing, whatever the runner."""
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    reason = launch.preflight(Settings(runner="v2", triton_interpret=False), env={"CXX": "/bin/true"})
+    assert reason and "media connector" in reason

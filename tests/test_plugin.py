@@ -77,13 +77,14 @@ def test_entry_point_is_registered():
     assert declared["vllm.general_plugins"] == {"mmcpu": "mmcpu.plugin:register"}
 
 
-def test_register_only_adds_word_alignment_without_the_interpreter(monkeypatch):
+def test_register_without_the_interpreter_adds_only_word_alignment_and_the_media_connector(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     before = list(sys.meta_path)
     plugin.register()
     added = [f for f in sys.meta_path if f not in before]
     sys.meta_path[:] = before
-    assert all(isinstance(f, plugin._AfterImport) and f.callback is plugin.add_word_alignment for f in added)
+    allowed = {plugin.add_word_alignment, plugin.add_media_connector}
+    assert all(isinstance(f, plugin._AfterImport) and f.callback in allowed for f in added)
 
 
 def test_word_alignment_method_is_added_once(fake_vllm):
