@@ -215,9 +215,9 @@ def hardening_problems(services: dict) -> list[str]:
     for name, s in services.items():
         if s.get("read_only") is not True:
             problems.append(f"{name}: root filesystem not read-only")
-        tmp = [t for t in s.get("tmpfs") or [] if str(t).split(":")[0] == "/tmp"]
-        if not tmp or "size=" not in str(tmp[0]):
-            problems.append(f"{name}: no sized tmpfs on /tmp")
+        tmp = [str(t).partition(":")[2].split(",") for t in s.get("tmpfs") or [] if str(t).split(":")[0] == "/tmp"]
+        if not tmp or not any(o.startswith("size=") for o in tmp[0]) or not {"noexec", "nosuid"} <= set(tmp[0]):
+            problems.append(f"{name}: no sized noexec,nosuid tmpfs on /tmp")
         if "ALL" not in (s.get("cap_drop") or []) or s.get("cap_add"):
             problems.append(f"{name}: capabilities not all dropped ({s.get('cap_drop')}, add {s.get('cap_add')})")
         if not any(str(o).replace("=", ":") in ("no-new-privileges", "no-new-privileges:true")
@@ -244,7 +244,7 @@ def test_every_service_is_hardened():
     # Each rule fails when its setting goes.
     for key, value, expected in [
         ("read_only", False, "not read-only"), ("cap_drop", [], "capabilities"), ("security_opt", [], "no-new"),
-        ("tmpfs", ["/tmp"], "sized tmpfs"), ("init", True, "init is True"),
+        ("tmpfs", ["/tmp"], "tmpfs on /tmp"), ("tmpfs", ["/tmp:size=1g"], "tmpfs on /tmp"), ("init", True, "init is True"),
         ("pid", "host", "pid host"), ("volumes", ["/:/host"], "bind mount"),
     ]:
         broken = {"audio": dict(services["audio"], **{key: value})}
