@@ -17,7 +17,7 @@ tests need a docker engine and those images, so ``make test`` / ``make test-quic
                            SIGSTOP, EngineCore and container killed, gateway restart mid-load, `compose stop`
                            draining a long transcription); a mixed load with 0 failures; both engines log MRV2;
                            every service read-only, without capabilities, under tini with no zombie left; engines
-                           reachable only from the gateway, with no route out; each service with its own keys only
+                           reachable only from the gateway, with no way out; each service with its own keys only
   test_unpatched_stack.py  the same stack with the image without the seed patches must fail with the known error
                            (HTTP 500, "Found no NVIDIA driver on your system" under MRV2)
 

@@ -289,8 +289,8 @@ def test_services_run_hardened_under_tini_and_leave_no_zombie(stack: Stack, figu
 
 def test_engines_are_reachable_only_from_the_gateway(stack: Stack, figures: Figures):
     """The engines' network (compose.yaml): a client container of the stack (the smoke's, on the default network)
-    reaches the gateway but no engine, neither by name nor by address; the gateway reaches both; an engine has no
-    route off its network (here: to the gateway's address on the default network)."""
+    reaches the gateway but no engine, neither by name nor by address; the gateway reaches both; an engine reaches
+    nothing off its network (here: the gateway's address on the default network)."""
     audio_ip, vision_ip = stack.ip("audio", "engines"), stack.ip("vision", "engines")
     gateway_ip = stack.ip("gateway", "default")
     client = stack.run_python("smoke", CONNECT, "gateway:8000", "audio:8001", "vision:8002", f"{audio_ip}:8001",
@@ -305,7 +305,7 @@ def test_engines_are_reachable_only_from_the_gateway(stack: Stack, figures: Figu
     out = json.loads(stack.exec_python("audio", CONNECT, f"{gateway_ip}:8000").stdout)
     assert out[f"{gateway_ip}:8000"] != "connected", f"an engine reaches off its network: {out}"
     say(f"network: client -> {seen}; audio -> {out}")
-    figures.add("patched: engines' network", "client reaches gateway only; engines no route out "
+    figures.add("patched: engines' network", "a client reaches the gateway only; an engine nothing off its network "
                                              f"({out[f'{gateway_ip}:8000'].split(':')[0]})")
 
 
@@ -313,7 +313,8 @@ def test_each_service_holds_only_its_own_keys(stack: Stack, cfg: Config):
     """The keys as the containers have them: the client key in the gateway only, the internal key in the engines and
     the gateway; and the gateway refuses a request without the client key."""
     for svc in SERVICES:
-        env = dict(e.split("=", 1) for e in stack.docker.inspect(stack.container(svc))["Config"]["Env"])
+        # Entries without "=" are names compose passes unset (a setting not in the caller's shell).
+        env = dict(e.split("=", 1) for e in stack.docker.inspect(stack.container(svc))["Config"]["Env"] if "=" in e)
         holders = {name for name, value in env.items() if cfg.api_key in value}
         assert holders == ({"MMCPU_API_KEY"} if svc == "gateway" else set()), f"{svc}: client key in {holders}"
         holders = {name for name, value in env.items() if cfg.engine_api_key in value}
