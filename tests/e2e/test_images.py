@@ -45,7 +45,9 @@ def run_image(docker: Docker, image: str, *args: str, timeout: float = 600):
     """`docker run --rm` of the image, named so that a run cut short by the timeout is removed too."""
     name = f"mmcpu-e2e-run-{uuid.uuid4().hex[:8]}"
     try:
-        return run([docker.binary, "run", "--rm", "--name", name, *args], timeout=timeout, check=False, merge=True)
+        # No network: nothing here needs one, and none is then touched (nor needed: the default bridge).
+        return run([docker.binary, "run", "--rm", "--network", "none", "--name", name, *args], timeout=timeout,
+                   check=False, merge=True)
     finally:
         docker("rm", "-f", name, check=False)
 
@@ -87,8 +89,8 @@ def orphan_left_behind(docker: Docker, image: str, *entrypoint: str) -> tuple[st
     to PID 1, which must reap it. -> (PID 1's name, the zombies left 3 s after the orphan exited)."""
     name = f"mmcpu-e2e-init-{uuid.uuid4().hex[:8]}"
     try:
-        docker("run", "-d", "--name", name, "-e", f"MMCPU_API_KEY={secrets.token_urlsafe(16)}", *entrypoint, image,
-               "gateway")
+        docker("run", "-d", "--network", "none", "--name", name, "-e", f"MMCPU_API_KEY={secrets.token_urlsafe(16)}",
+               *entrypoint, image, "gateway")
         wait_for(f"{name} running", lambda: docker("exec", name, "true", check=False).returncode == 0, 60)
         docker("exec", name, "sh", "-c", "sleep 1 & exit 0")
         time.sleep(4)
