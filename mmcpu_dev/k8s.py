@@ -10,8 +10,9 @@ Four layers, each usable alone:
   seccomp, probes, limits, image tags, ...) less the reviewed ``CHECKOV_SKIPS``.
 - ``check_policy(objects)``: the rules only this deployment knows (Guaranteed QoS for pinning, OpenMP
   threads vs CPUs, KV cache vs memory, drain vs grace period, health-probe semantics, writable
-  caches, offline PVC, HPA/PDB/spread for drains), each a function over the rendered objects that
-  returns the problems it finds.
+  caches, offline PVC, HPA/PDB/spread for drains, tini as PID 1, each container's own secrets only, who may
+  reach whom under the NetworkPolicies), each a function over the rendered objects that returns the problems it
+  finds.
 
 CLI (also ``scripts/k8s-render``)::
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ipaddress
 import json
 import math
 import re
@@ -60,8 +62,9 @@ CHECKOV_SKIPS = {
     "after the push, so an overlay sets it (`images: digest:`). CKV_K8S_14 still forbids latest/blank tags.",
     "CKV_K8S_15": "imagePullPolicy Always: with a fixed tag (CKV_K8S_14) IfNotPresent pulls the same image, and "
     "Always would make every engine restart wait on the registry.",
-    "CKV_K8S_35": "secrets as files: the gateway reads its optional API key from MMCPU_API_KEY (mmcpu.config), "
-    "an environment setting like every other.",
+    "CKV_K8S_35": "secrets as files: the gateway and the engines read their keys from MMCPU_API_KEY / "
+    "MMCPU_ENGINE_API_KEY (mmcpu.config), environment settings like every other; each container gets only its own "
+    "(policy rule secrets_per_container).",
 }
 
 ENGINE_ROLES = {"audio", "vision", "all"}
@@ -633,6 +636,253 @@ def check_services_reach_pods(objects: list[Obj]) -> list[str]:
                 svc = find(objects, "Service", found.group(1).split(".")[0]) if found else None
                 if not svc or int(found.group(2)) not in [p["port"] for p in svc["spec"].get("ports") or []]:
                     problems.append(f"{kn(obj)}: engine {name}={url!r} names no Service port of this render")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# PID 1, secrets
+
+
+@check("tini_pid1")
+def check_tini_pid1(objects: list[Obj]) -> list[str]:
+    """tini is PID 1 in every container, as in compose: it forwards signals and reaps the orphans vLLM's processes
+    leave (the Python launcher does not reap what is not its own child). The image's ENTRYPOINT is tini, so a
+    container keeps it by setting only `args`; one that sets `command` must start it with tini itself."""
+    return [f"{where}: command {c['command'][:3]} replaces the image's tini as PID 1 (start it with tini --)"
+            for where, _, _, c in _each_container(objects)
+            if c.get("command") and Path(str(c["command"][0])).name != "tini"]
+
+
+# Secret-held settings: the Secret and key each is read from, which containers get it, and whether the pod must not
+# start without it (fail closed). Helpers (init containers, the seed Job) get none.
+SECRET_ENV = {
+    "MMCPU_API_KEY": {"secret": "mmcpu-api-key", "key": "api-key", "to": {"gateway"}, "required": True},
+    "MMCPU_ENGINE_API_KEY": {"secret": "mmcpu-engine-api-key", "key": "api-key", "to": {"gateway", "engine"},
+                             "required": True},
+    "HF_TOKEN": {"secret": "mmcpu-hf-token", "key": "token", "to": {"engine"}, "required": False},
+}
+
+
+def container_kind(c: Obj) -> str:
+    return "gateway" if role(c) == "gateway" else "engine" if is_engine(c) else "helper"
+
+
+@check("secrets_per_container")
+def check_secrets_per_container(objects: list[Obj]) -> list[str]:
+    """Each container gets only its own secrets (a client key in an engine would let it call the gateway as
+    anyone; an engine key in a helper, the engines), each from its Secret by reference: the keys the gateway and the
+    engines require are required references, so a missing Secret stops the pod instead of serving open. No Secret
+    object and no secret value in the manifests, and no container allowed to serve without a key."""
+    problems = [f"{kn(o)}: a Secret in the manifests (create it in the cluster: README \"Secrets\")"
+                for o in by_kind(objects, "Secret")]
+    problems += [f"{kn(cm)}: holds {key} in plain text (every container with envFrom it gets it)"
+                 for cm in by_kind(objects, "ConfigMap") for key in (cm.get("data") or {}) if key in SECRET_ENV]
+    for where, _, _, c in _each_container(objects):
+        kind = container_kind(c)
+        for source in c.get("envFrom") or []:
+            if "secretRef" in source:
+                problems.append(f"{where}: envFrom a whole Secret ({source['secretRef'].get('name')}): every key "
+                                "in it reaches the container")
+        refs = {item["name"]: item["valueFrom"]["secretKeyRef"] for item in c.get("env") or []
+                if "secretKeyRef" in (item.get("valueFrom") or {})}
+        problems += [f"{where}: {item['name']} set in plain text in the manifests" for item in c.get("env") or []
+                     if item["name"] in SECRET_ENV and "value" in item]
+        env = container_env(objects, c)
+        for name, spec in SECRET_ENV.items():
+            ref = refs.get(name)
+            if kind not in spec["to"]:
+                if name in env:
+                    problems.append(f"{where}: carries {name}, which only the {'/'.join(sorted(spec['to']))} get")
+                continue
+            if ref is None:
+                if spec["required"]:
+                    problems.append(f"{where}: {name} is not read from Secret {spec['secret']}")
+                elif name in env:
+                    problems.append(f"{where}: {name} is set in the manifests, not read from Secret {spec['secret']}")
+                continue
+            if (ref.get("name"), ref.get("key")) != (spec["secret"], spec["key"]):
+                problems.append(f"{where}: {name} from {ref.get('name')}/{ref.get('key')}, not "
+                                f"{spec['secret']}/{spec['key']}")
+            if spec["required"] and ref.get("optional"):
+                problems.append(f"{where}: {name} is optional: without Secret {spec['secret']} the pod would start "
+                                "and serve without its key")
+        for name, ref in refs.items():
+            if name not in SECRET_ENV:
+                problems.append(f"{where}: {name} from Secret {ref.get('name')}, not one of this deployment's keys")
+        if str(env.get("MMCPU_ALLOW_UNAUTHENTICATED") or "").lower() in ("1", "true", "yes", "on"):
+            problems.append(f"{where}: MMCPU_ALLOW_UNAUTHENTICATED lets the gateway serve without a key")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# NetworkPolicies: who may reach whom, evaluated over the render as the network plugin would enforce it (the
+# subset of the API these manifests use: pod and namespace selectors, ipBlocks, numbered and named ports).
+
+# Always excepted from what an engine may reach outside (pod, service and node ranges of every common cluster,
+# loopback, cloud metadata).
+PRIVATE_NETS = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                                                   "169.254.0.0/16", "127.0.0.0/8", "fc00::/7", "fe80::/10",
+                                                   "::1/128")]
+CLUSTER_DNS = "kube-system/k8s-app=kube-dns"
+DNS_PORT = 53
+HTTPS_PORT = 443
+
+
+def selector_matches(selector: Obj | None, labels: dict[str, str]) -> bool:
+    """A LabelSelector as the API server reads it: {} or absent selects everything."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) \
+                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+            return False
+    return True
+
+
+def _selector_text(selector: Obj | None) -> str:
+    selector = selector or {}
+    parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
+    parts += [f"{e['key']} {e['operator']} {e.get('values') or ''}" for e in selector.get("matchExpressions") or []]
+    return ",".join(parts) or "*"
+
+
+def workloads(objects: list[Obj]) -> dict[str, Obj]:
+    """The pod-creating objects by name (Deployments, Jobs): what NetworkPolicies select."""
+    return {obj["metadata"]["name"]: obj for obj, _ in pod_specs(objects)}
+
+
+def _namespace(obj: Obj) -> str | None:
+    return obj.get("metadata", {}).get("namespace")
+
+
+def policy_selects(objects: list[Obj]) -> dict[str, set[str]]:
+    """Each NetworkPolicy's name -> the workloads of the render whose pods it selects."""
+    return {kn(p): {name for name, w in workloads(objects).items()
+                    if _namespace(w) == _namespace(p) and selector_matches(p["spec"].get("podSelector"), pod_labels(w))}
+            for p in by_kind(objects, "NetworkPolicy")}
+
+
+def _ports_of(obj: Obj) -> dict[Any, int]:
+    """A workload's container ports by name and by number."""
+    out: dict[Any, int] = {}
+    for c in obj["spec"]["template"]["spec"].get("containers") or []:
+        for p in c.get("ports") or []:
+            out[p["containerPort"]] = p["containerPort"]
+            if p.get("name"):
+                out[p["name"]] = p["containerPort"]
+    return out
+
+
+def _peers(objects: list[Obj], policy: Obj, rule_peers: list[Obj] | None) -> list[tuple[str, Obj | None]]:
+    """A rule's peers as (description, workload or None): workloads of the render by name, the cluster DNS,
+    other namespaces' pods by selector, ipBlocks, or anywhere."""
+    if not rule_peers:
+        return [("anywhere", None)]
+    out = []
+    for peer in rule_peers:
+        if "ipBlock" in peer:
+            block = peer["ipBlock"]
+            out.append((f"ip:{block['cidr']} except {','.join(block.get('except') or []) or '-'}", None))
+        elif "namespaceSelector" in peer:
+            ns, pods = peer["namespaceSelector"], peer.get("podSelector")
+            names = (ns.get("matchLabels") or {}).get("kubernetes.io/metadata.name")
+            text = f"{names or 'namespaces(' + _selector_text(ns) + ')'}/{_selector_text(pods)}"
+            out.append((text, None))
+        else:
+            out.extend((f"pod:{name}", w) for name, w in workloads(objects).items()
+                       if _namespace(w) == _namespace(policy)
+                       and selector_matches(peer.get("podSelector"), pod_labels(w)))
+    return out
+
+
+def reach(objects: list[Obj]) -> dict[str, dict[str, Any]]:
+    """What the NetworkPolicies allow each workload: ``{"isolated": {"ingress": bool, "egress": bool}, "ingress":
+    {(peer, port, protocol)}, "egress": {...}}``. Named ports resolve against the pod they name (the selected pod
+    for ingress, the peer for egress); a rule without ports allows "*". A workload no policy isolates in a
+    direction is open that way (Kubernetes' default), shown as ("anywhere", "*", "*")."""
+    out = {}
+    for name, w in workloads(objects).items():
+        result: dict[str, Any] = {"isolated": {"ingress": False, "egress": False}, "ingress": set(), "egress": set()}
+        for policy in by_kind(objects, "NetworkPolicy"):
+            spec = policy["spec"]
+            if _namespace(policy) != _namespace(w) or not selector_matches(spec.get("podSelector"), pod_labels(w)):
+                continue
+            types = spec.get("policyTypes") or (["Ingress"] + (["Egress"] if "egress" in spec else []))
+            for direction, key, field in (("ingress", "Ingress", "from"), ("egress", "Egress", "to")):
+                if key not in types:
+                    continue
+                result["isolated"][direction] = True
+                for rule in spec.get(direction) or []:
+                    for peer, peer_obj in _peers(objects, policy, rule.get(field)):
+                        named_by = w if direction == "ingress" else peer_obj
+                        ports = _ports_of(named_by) if named_by is not None else {}
+                        for port in rule.get("ports") or [{"port": "*", "protocol": "*"}]:
+                            number = ports.get(port.get("port"), port.get("port", "*"))
+                            result[direction].add((peer, number, port.get("protocol", "TCP")))
+        for direction in ("ingress", "egress"):
+            if not result["isolated"][direction]:
+                result[direction].add(("anywhere", "*", "*"))
+        out[name] = result
+    return out
+
+
+def _public_only(peer: str) -> bool:
+    """An ipBlock peer that excepts every private range it covers."""
+    if not peer.startswith("ip:"):
+        return False
+    cidr, _, excepted = peer[3:].partition(" except ")
+    net = ipaddress.ip_network(cidr)
+    holes = [ipaddress.ip_network(e) for e in excepted.split(",") if e and e != "-"]
+    return all(not net.overlaps(p) or any(p.version == h.version and p.subnet_of(h) for h in holes)
+               for p in PRIVATE_NETS if p.version == net.version)
+
+
+@check("network_isolation")
+def check_network_isolation(objects: list[Obj]) -> list[str]:
+    """Every pod isolated both ways; engines: in only from the gateway on their own port, out nothing but (with the
+    hub-access component) DNS and HTTPS to public addresses; the gateway: in on its port only, out only to the
+    engines' ports and DNS; any other pod (the seed Job): nothing in or out."""
+    problems = []
+    reached = reach(objects)
+    works = workloads(objects)
+    kinds = {name: {container_kind(c) for c in w["spec"]["template"]["spec"]["containers"]}
+             for name, w in works.items()}
+    engines = {name for name, k in kinds.items() if "engine" in k}
+    gateways = {name for name, k in kinds.items() if "gateway" in k}
+    for name, r in reached.items():
+        where = f"{kn(works[name])}"
+        for direction in ("ingress", "egress"):
+            if not r["isolated"][direction]:
+                problems.append(f"{where}: no NetworkPolicy isolates its {direction} (open to anything)")
+        own_ports = set(_ports_of(works[name]).values())
+        dns = {(CLUSTER_DNS, DNS_PORT, proto) for proto in ("UDP", "TCP")}
+        if name in engines:
+            wrong = {e for e in r["ingress"] if e[0] not in {f"pod:{g}" for g in gateways} or e[1] not in own_ports}
+            if wrong:
+                problems.append(f"{where}: ingress beyond the gateway on its port: {sorted(map(str, wrong))}")
+            if not r["ingress"] - wrong:
+                problems.append(f"{where}: the gateway cannot reach it")
+            wrong = {e for e in r["egress"] if e not in dns and not (_public_only(e[0]) and e[1:] == (HTTPS_PORT,
+                                                                                                        "TCP"))}
+            if wrong:
+                problems.append(f"{where}: egress beyond DNS and public HTTPS: {sorted(map(str, wrong))}")
+        elif name in gateways:
+            wrong = {e for e in r["ingress"] if e[1] not in own_ports}
+            if wrong:
+                problems.append(f"{where}: ingress beyond its own port: {sorted(map(str, wrong))}")
+            to_engines = {(f"pod:{e}", port, "TCP") for e in engines for port in _ports_of(works[e]).values()}
+            wrong = r["egress"] - to_engines - dns
+            if wrong:
+                problems.append(f"{where}: egress beyond the engines' ports and DNS: {sorted(map(str, wrong))}")
+            missing = {e for e in engines if not any(x[0] == f"pod:{e}" for x in r["egress"])}
+            if missing:
+                problems.append(f"{where}: cannot reach engines {sorted(missing)}")
+            if not dns <= r["egress"]:
+                problems.append(f"{where}: cannot reach the cluster DNS (engine names would not resolve)")
+        elif r["ingress"] or r["egress"]:
+            problems.append(f"{where}: a helper with network access: {sorted(map(str, r['ingress'] | r['egress']))}")
     return problems
 
 

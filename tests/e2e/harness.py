@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -54,7 +55,8 @@ class Config:
     faults: bool
     load_n: int
     long_s: float
-    api_key: str | None
+    api_key: str
+    engine_api_key: str
     audio_model: str
     vision_model: str
     stop_grace_s: int
@@ -80,7 +82,10 @@ class Config:
             load_n=int(env.get("E2E_LOAD_N", 100)),
             # 300 s of speech: a 60 s clip is transcribed in ~3 s with native kernels, over before the stop lands.
             long_s=float(env.get("E2E_LONG_S", 720)),
-            api_key=env.get("MMCPU_API_KEY") or None,
+            # The stacks run as deployed: the gateway requires a client key and the engines their internal key
+            # (made up per run unless given), each service getting only its own (compose.yaml).
+            api_key=env.get("MMCPU_API_KEY") or secrets.token_urlsafe(24),
+            engine_api_key=env.get("MMCPU_ENGINE_API_KEY") or secrets.token_urlsafe(24),
             audio_model=served_name(env.get("MMCPU_AUDIO_MODEL") or "/models/whisper-tiny.en"),
             vision_model=served_name(env.get("MMCPU_VISION_MODEL") or "/models/tiny-llava"),
             stop_grace_s=int(grace) if grace.isdigit() else 150,
@@ -238,7 +243,7 @@ class Probe:
 
     def __init__(self, base_url: str, cfg: Config) -> None:
         # max_retries=0: a failing request must show up as the failure it is.
-        self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=cfg.api_key or "unused", max_retries=0)
+        self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=cfg.api_key, max_retries=0)
         self.kwargs = {
             "audio": transcription_kwargs(audio_file(1.0, tone_hz=None), model=cfg.audio_model, language="en",
                                           filename="probe.wav"),
@@ -288,7 +293,8 @@ class Sample:
 
 
 class Stack:
-    """compose.yaml + compose.test.yaml as the project ``mmcpu-e2e-NAME``, the gateway on a free loopback port.
+    """compose.yaml + compose.test.yaml as the project ``PROJECT-e2e-NAME`` (PROJECT: MMCPU_PROJECT, default mmcpu),
+    the gateway on a free loopback port.
 
     As a context manager it starts from nothing (``down -v`` of a leftover run), samples health and memory of the
     services every 5 s, and on exit - whatever happened - saves the services' logs, records the figures and
@@ -297,12 +303,13 @@ class Stack:
     def __init__(self, name: str, image: str, cfg: Config, docker: Docker, compose: list[str], figures: Figures,
                  env: dict[str, str | None]) -> None:
         self.name, self.image, self.cfg, self.docker, self.figures = name, image, cfg, docker, figures
-        self.project = f"mmcpu-e2e-{name}"
+        self.project = f"{os.environ.get('MMCPU_PROJECT') or 'mmcpu'}-e2e-{name}"
         self.port = free_port()
         self.gateway = f"http://127.0.0.1:{self.port}"
         self.base = [*compose, "-p", self.project, "-f", "compose.yaml", "-f", "compose.test.yaml"]
         self.env = dict(os.environ, MMCPU_IMAGE=image, MMCPU_SMOKE_IMAGE=cfg.image_smoke,
-                        MMCPU_PUBLISH=f"127.0.0.1:{self.port}")
+                        MMCPU_PUBLISH=f"127.0.0.1:{self.port}", MMCPU_API_KEY=cfg.api_key,
+                        MMCPU_ENGINE_API_KEY=cfg.engine_api_key)
         for key, value in env.items():
             if value is None:
                 self.env.pop(key, None)
@@ -368,6 +375,23 @@ class Stack:
         return run([*self.base, "logs", "--no-color", service], timeout=120, env=self.env, check=False,
                    merge=True).stdout
 
+    def exec_python(self, service: str, code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """``python -S -c CODE ARGS`` in the service's container (-S: no site-packages, a fast start)."""
+        cid = self.container(service)
+        assert cid, f"{service}: no container"
+        return self.docker("exec", cid, "python", "-S", "-c", code, *args, check=False, timeout=timeout)
+
+    def run_python(self, service: str, code: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        """``python -S -c CODE ARGS`` in a one-off container of a compose service, on that service's networks."""
+        return self.compose("run", "--rm", "--no-deps", "-T", "--entrypoint", "python", service, "-S", "-c", code,
+                            *args, timeout=timeout, check=False)
+
+    def ip(self, service: str, network: str) -> str:
+        """The service container's address on a network of the project (compose names it PROJECT_NETWORK)."""
+        info = self.docker.inspect(self.container(service) or "")
+        nets = (info or {}).get("NetworkSettings", {}).get("Networks", {})
+        return next(v["IPAddress"] for k, v in nets.items() if k.replace("-", "_").endswith(f"_{network}"))
+
     def engine_core(self, service: str) -> psutil.Process:
         """vLLM's EngineCore process of an engine's container (a host process: the engine shares our kernel)."""
         pid = self.state(service).get("Pid") or None
@@ -395,7 +419,9 @@ class Stack:
         """The gateway's readiness (its /health ``status``): ok, degraded (serving, an engine still down),
         unavailable; None while it does not answer."""
         try:
-            return httpx.get(f"{self.gateway}/health", timeout=2).json().get("status")
+            # With the key: /health tells a keyless caller only up or down.
+            return httpx.get(f"{self.gateway}/health", timeout=2,
+                             headers={"Authorization": f"Bearer {self.cfg.api_key}"}).json().get("status")
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
 
@@ -484,6 +510,26 @@ class Stack:
                     out.write(f"{sample.t} {service} {health} {sample.rss} {sample.anon}\n")
                     out.flush()
                 self._stop.wait(5)
+
+
+# Printed by PROCESSES in a container: one JSON list of [pid, ppid, state, name] of every process in it.
+PROCESSES = """
+import json, os
+out = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        continue
+    name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    out.append([int(pid), int(rest[1]), rest[0], name])
+print(json.dumps(out))
+"""
+
+
+def zombies(processes_json: str) -> set[tuple[int, str]]:
+    """(pid, name) of the zombie processes in PROCESSES' output."""
+    return {(pid, name) for pid, _ppid, state, name in json.loads(processes_json) if state == "Z"}
 
 
 @contextmanager
