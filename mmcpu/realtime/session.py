@@ -39,6 +39,9 @@ log = logging.getLogger("mmcpu.realtime")
 MIN_COMMIT_S = 0.1  # OpenAI's: a commit of less audio is an error (input_audio_buffer_commit_empty)
 MIN_INTERIM_S = 0.5  # less audio than this is not worth a decode
 PENDING_TURNS = 4  # committed turns waiting for the engine per session; beyond, the session stops reading
+# Server events waiting for a client that does not read them: a session makes a few per second, so this many means
+# the client stopped reading (or floods the session with bad events without reading the errors); it is closed.
+OUTBOX = 1024
 
 
 class Hub:
@@ -116,6 +119,7 @@ class Session:
         self.previous_item_id: str | None = None
         self.emitted = p.Emitted()
         self.outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.unread = asyncio.Event()  # the outbox overflowed
         self.turns: asyncio.Queue[Turn] = asyncio.Queue(PENDING_TURNS)
         self.busy = False  # the transcriber holds a turn
         self.interim: asyncio.Task | None = None
@@ -128,17 +132,23 @@ class Session:
 
     # --- out ------------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields: Any) -> None:
-        self.outbox.put_nowait(p.event(kind, **fields))
+        self._put(p.event(kind, **fields))
 
     def error(self, exc: p.ProtocolError | EngineError, event_id: str | None = None) -> None:
-        self.outbox.put_nowait(p.error_event(exc.message, type=exc.type, code=exc.code, param=exc.param,
-                                             event_id=event_id))
+        self._put(p.error_event(exc.message, type=exc.type, code=exc.code, param=exc.param, event_id=event_id))
+
+    def _put(self, ev: dict[str, Any]) -> None:
+        if self.outbox.qsize() >= OUTBOX:
+            self.unread.set()
+            return
+        self.outbox.put_nowait(ev)
 
     async def _writer(self) -> None:
         while (ev := await self.outbox.get()) is not None:
             try:
-                await asyncio.wait_for(self._send(json.dumps(ev)), self.settings.realtime_send_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.settings.realtime_send_timeout_s):
+                    await self._send(json.dumps(ev))
+            except TimeoutError:
                 raise Closed("the client did not read its events") from None
 
     # --- the session --------------------------------------------------------------------------------------
@@ -149,6 +159,7 @@ class Session:
         if self.settings.realtime_interim_s > 0:
             tasks.append(asyncio.create_task(self._interims(), name=f"{self.id} interims"))
         reader = asyncio.create_task(self._reader(), name=f"{self.id} reader")
+        tasks.append(asyncio.create_task(self.unread.wait(), name=f"{self.id} unread events"))
         try:
             done, _ = await asyncio.wait({reader, writer, *tasks}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -157,8 +168,9 @@ class Session:
             if reader in done and not writer.done():
                 # What the reader queued last (an idle timeout's error) still goes out, within the send bound.
                 self.outbox.put_nowait(None)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(writer), self.settings.realtime_send_timeout_s)
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self.settings.realtime_send_timeout_s):
+                        await asyncio.shield(writer)
         finally:
             for task in (reader, writer, *tasks, self.interim):
                 if task is not None:
@@ -181,8 +193,11 @@ class Session:
         limit = int(self.settings.realtime_max_event_mb * 2**20)
         while True:
             try:
-                message = await asyncio.wait_for(self._receive(), self.settings.realtime_idle_s)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation that arrives as the
+                # awaited call completes, which for a client that floods is every time (the session never ends).
+                async with asyncio.timeout(self.settings.realtime_idle_s):
+                    message = await self._receive()
+            except TimeoutError:
                 self.error(p.ProtocolError(f"No event for {self.settings.realtime_idle_s:g} s: session closed "
                                            "(MMCPU_REALTIME_IDLE_S)", code="idle_timeout"))
                 return
@@ -196,6 +211,9 @@ class Session:
                 self.error(p.ProtocolError("Binary frames are not events: send JSON text", code="invalid_event"))
                 continue
             await self._handle(message)
+            # A queued message is received without suspending: yield, or a flooding client would hold the event
+            # loop (every other session and request of the gateway) for as long as it sends.
+            await asyncio.sleep(0)
 
     async def _handle(self, message: str) -> None:
         try:
@@ -261,6 +279,9 @@ class Session:
             samples = self.resampler(decode_pcm16(ev.get("audio")))
         except AudioError as exc:
             raise p.ProtocolError(str(exc), param="audio") from None
+        await self._feed(samples)
+
+    async def _feed(self, samples: np.ndarray) -> None:
         if self.item_id is None and self.config.turn_detection is None and samples.size:
             self._open_turn()
         for change in self.buffer.append(samples):
@@ -275,6 +296,7 @@ class Session:
                 await self._commit(change.audio)
 
     async def _commit_event(self, ev: dict[str, Any]) -> None:
+        await self._feed(self.resampler.flush())
         if self.buffer.samples < MIN_COMMIT_S * ENGINE_RATE:
             raise p.ProtocolError(
                 f"Error committing input audio buffer: buffer too small. Expected at least {MIN_COMMIT_S * 1000:.0f}ms "
