@@ -209,8 +209,8 @@ class Settings(BaseSettings):
         "commit"
     )
     realtime_idle_s: float = Field(
-        60, gt=0, description="a session that sends no event for this long is closed (`error` event, code "
-        "`idle_timeout`); its pending engine requests are cancelled"
+        60, gt=0, description="a session that sends no event for this long while none of its turns waits for the "
+        "engine is closed (`error` event, code `idle_timeout`); an interim decode in flight is cancelled"
     )
     realtime_send_timeout_s: float = Field(
         10, gt=0, description="a client that does not read its server events for this long is disconnected and "

@@ -198,6 +198,8 @@ class Session:
                 async with asyncio.timeout(self.settings.realtime_idle_s):
                     message = await self._receive()
             except TimeoutError:
+                if self.busy or not self.turns.empty():
+                    continue  # waiting for its transcripts is not idling
                 self.error(p.ProtocolError(f"No event for {self.settings.realtime_idle_s:g} s: session closed "
                                            "(MMCPU_REALTIME_IDLE_S)", code="idle_timeout"))
                 return
