@@ -92,15 +92,19 @@ def slow_engine():
     served.stop()
 
 
-def gateway(engine_url: str, **settings) -> ServedApp:
-    return ServedApp(create_app(Settings(engines=f"stub={engine_url}", **settings)))
+@contextlib.contextmanager
+def gateway(engine_url: str, **settings):
+    served = ServedApp(create_app(Settings(engines=f"stub={engine_url}", **settings)))
+    try:
+        yield served
+    finally:
+        served.stop()
 
 
 @pytest.fixture(scope="module")
 def gw(engine):
-    served = gateway(engine.url, realtime_interim_s=0.2)
-    yield served
-    served.stop()
+    with gateway(engine.url, realtime_interim_s=0.2) as served:
+        yield served
 
 
 def ws_url(served: ServedApp, query: str = "intent=transcription") -> str:
@@ -355,8 +359,7 @@ def test_beta_sdk_transcription_session(gw):
 def test_bad_events_get_errors_and_the_session_stays(engine):
     """Garbage of every kind: one `error` event each, in OpenAI's shape, naming the parameter; then the session
     still transcribes."""
-    served = gateway(engine.url, realtime_max_event_mb=0.05)
-    try:
+    with gateway(engine.url, realtime_max_event_mb=0.05) as served:
         with connect(ws_url(served)) as ws:
             events_until(ws, "session.created")
             cases = [
@@ -391,8 +394,6 @@ def test_bad_events_get_errors_and_the_session_stays(engine):
             done = events_until(ws, "conversation.item.input_audio_transcription.completed")
             assert done[-1]["transcript"] == " w1 w2"  # the cleared audio is gone
         assert wait_for(lambda: hub_of(served).total == 0)
-    finally:
-        served.stop()
 
 
 def test_no_model_fails_the_turn_not_the_session(gw):
@@ -409,8 +410,7 @@ def test_no_model_fails_the_turn_not_the_session(gw):
 
 
 def test_keys_header_and_browser_subprotocol(engine):
-    served = gateway(engine.url, api_key="sekrit")
-    try:
+    with gateway(engine.url, api_key="sekrit") as served:
         for headers, protocols in (({}, None), ({"Authorization": "Bearer wrong"}, None),
                                    ({}, ["realtime", "openai-insecure-api-key.wrong"])):
             with pytest.raises(InvalidStatus) as info:
@@ -425,15 +425,12 @@ def test_keys_header_and_browser_subprotocol(engine):
         with pytest.raises(InvalidStatus) as info:
             connect(ws_url(served, "intent=conversation"), additional_headers={"Authorization": "Bearer sekrit"})
         assert info.value.response.status_code == 400
-    finally:
-        served.stop()
 
 
 def test_session_limits(engine):
     """Past MMCPU_REALTIME_MAX_SESSIONS a connection is told and closed; past MMCPU_REALTIME_SESSIONS_PER_ENGINE a
     session cannot take the engine's model but stays open; closing frees both."""
-    served = gateway(engine.url, realtime_max_sessions=2, realtime_sessions_per_engine=1)
-    try:
+    with gateway(engine.url, realtime_max_sessions=2, realtime_sessions_per_engine=1) as served:
         with connect(ws_url(served, f"intent=transcription&model={MODEL}")) as a, connect(ws_url(served)) as b:
             events_until(a, "session.created")
             events_until(b, "session.created")
@@ -451,13 +448,10 @@ def test_session_limits(engine):
         with connect(ws_url(served)) as b:
             send(b, "session.update", session=realtime_session(MODEL))
             assert events_until(b, "session.updated")
-    finally:
-        served.stop()
 
 
 def test_idle_session_is_closed(engine):
-    served = gateway(engine.url, realtime_idle_s=1)
-    try:
+    with gateway(engine.url, realtime_idle_s=1) as served:
         with connect(ws_url(served)) as ws:
             events_until(ws, "session.created")
             t0 = time.monotonic()
@@ -466,18 +460,15 @@ def test_idle_session_is_closed(engine):
             with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=10)
         assert wait_for(lambda: hub_of(served).total == 0)
-    finally:
-        served.stop()
 
 
 def test_gone_client_leaves_no_engine_work(slow_engine, talk):
     """A commit cancels the open turn's interim decode at the engine; a client that then disconnects while its turn
     is at the engine: that request is abandoned too (the engine sees its client go), and the session is gone."""
-    served = gateway(slow_engine.url, realtime_interim_s=0.2)
     state = slow_engine.app.state
     abandoned = state.abandoned
     audio, spans = talk
-    try:
+    with gateway(slow_engine.url, realtime_interim_s=0.2) as served:
         ws = connect(ws_url(served))
         manual(ws)
         send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:spans[0][1]]))
@@ -491,19 +482,16 @@ def test_gone_client_leaves_no_engine_work(slow_engine, talk):
         assert wait_for(lambda: hub_of(served).total == 0)
         requests = hub_of(served).requests
         assert [requests.labels(k)._value.get() for k in ("final", "interim")] == [0, 0]
-    finally:
-        served.stop()
 
 
 def test_stalled_client_leaves_no_engine_work(slow_engine, talk):
     """A client that stops sending in the middle of a turn: after MMCPU_REALTIME_IDLE_S its interim decode is
     abandoned at the engine and the session closed. (A session whose committed turn is still at the engine is not
     idle: its client may be waiting for the transcript.)"""
-    served = gateway(slow_engine.url, realtime_idle_s=2, realtime_interim_s=0.2)
     state = slow_engine.app.state
     abandoned = state.abandoned
     audio, spans = talk
-    try:
+    with gateway(slow_engine.url, realtime_idle_s=2, realtime_interim_s=0.2) as served:
         with connect(ws_url(served)) as ws:
             manual(ws)
             send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:spans[0][1] // 2]))
@@ -512,8 +500,6 @@ def test_stalled_client_leaves_no_engine_work(slow_engine, talk):
             assert events_until(ws, "error", timeout=10)[-1]["error"]["code"] == "idle_timeout"
             assert wait_for(lambda: state.active == 0 and hub_of(served).total == 0, timeout=3)
             assert time.monotonic() - t0 < 5 and state.abandoned - abandoned == 1
-    finally:
-        served.stop()
 
 
 def _raw_client(port: int):
@@ -537,8 +523,7 @@ def test_client_that_does_not_read_is_dropped(engine):
     """A flood of bad events whose errors are never read: the session is closed, not left to grow: by its unsent
     events piling up (MMCPU_REALTIME_SEND_TIMEOUT_S or the outbox bound) or, once the server's own reads stall
     behind the unread replies, by the idle timeout."""
-    served = gateway(engine.url, realtime_send_timeout_s=2, realtime_idle_s=3)
-    try:
+    with gateway(engine.url, realtime_send_timeout_s=2, realtime_idle_s=3) as served:
         sock, frame = _raw_client(served.port)
         assert wait_for(lambda: hub_of(served).total == 1)
         deadline = time.monotonic() + 30
@@ -549,13 +534,10 @@ def test_client_that_does_not_read_is_dropped(engine):
                 sent += 50
         assert wait_for(lambda: hub_of(served).total == 0, timeout=15), sent
         sock.close()
-    finally:
-        served.stop()
 
 
 def test_longest_turn_is_committed_without_a_commit(engine):
-    served = gateway(engine.url, realtime_buffer_s=2)
-    try:
+    with gateway(engine.url, realtime_buffer_s=2) as served:
         with connect(ws_url(served)) as ws:
             manual(ws, rate=16000)
             for chunk in np.array_split(tone(5.0), 9):
@@ -566,8 +548,6 @@ def test_longest_turn_is_committed_without_a_commit(engine):
                 done += [e for e in events_until(ws, "conversation.item.input_audio_transcription.completed")
                          if e["type"].endswith("completed")]
             assert [e["usage"]["seconds"] for e in done] == [2.0, 2.0, 1.0]
-    finally:
-        served.stop()
 
 
 def test_browser_page_is_served(gw):
