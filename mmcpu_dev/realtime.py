@@ -20,6 +20,7 @@ from mmcpu_dev.payloads import SERVER_VAD, pcm16_base64, realtime_session
 COMPLETED = "conversation.item.input_audio_transcription.completed"
 DELTA = "conversation.item.input_audio_transcription.delta"
 FAILED = "conversation.item.input_audio_transcription.failed"
+QUIET_S = 1.5
 
 
 @dataclass
@@ -108,13 +109,19 @@ async def stream(base_url: str, model: str, audio: np.ndarray, *, rate: int = 16
             run.sent_until = time.monotonic()
             done_sending.set()
 
+        def settled() -> bool:
+            return done_sending.is_set() and all(
+                i.transcript is not None or i.failed for i in run.items.values() if i.committed)
+
         async def receive() -> None:
-            async for ev in conn:
+            # Once every committed item has its transcript, the session is done when nothing more comes for a
+            # moment (a turn the VAD is still closing would send its events).
+            while True:
+                try:
+                    ev = await asyncio.wait_for(conn.recv(), QUIET_S if settled() else None)
+                except asyncio.TimeoutError:
+                    return
                 run.record(time.monotonic(), ev.to_dict())
-                if done_sending.is_set() and all(
-                        i.transcript is not None or i.failed for i in run.items.values() if i.committed):
-                    if await _quiet(conn, run):
-                        return
 
         sender = asyncio.create_task(send())
         try:
@@ -124,13 +131,3 @@ async def stream(base_url: str, model: str, audio: np.ndarray, *, rate: int = 16
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
     return run
-
-
-async def _quiet(conn, run: Run, wait_s: float = 1.5) -> bool:
-    """True when no further event comes for ``wait_s`` (a turn the VAD is still closing would)."""
-    try:
-        ev = await asyncio.wait_for(conn.recv(), wait_s)
-    except asyncio.TimeoutError:
-        return True
-    run.record(time.monotonic(), ev.to_dict())
-    return False

@@ -122,6 +122,7 @@ class Session:
         self.unread = asyncio.Event()  # the outbox overflowed
         self.turns: asyncio.Queue[Turn] = asyncio.Queue(PENDING_TURNS)
         self.busy = False  # the transcriber holds a turn
+        self.active = time.monotonic()  # the client's last event or the session's last transcript
         self.interim: asyncio.Task | None = None
         self.turn_opened = 0.0  # monotonic time the open turn began (first interim is due interim_s after)
         self.last_interim = 0.0
@@ -191,14 +192,16 @@ class Session:
         if failed:
             self.error(failed)
         limit = int(self.settings.realtime_max_event_mb * 2**20)
+        idle = self.settings.realtime_idle_s
         while True:
             try:
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation that arrives as the
                 # awaited call completes, which for a client that floods is every time (the session never ends).
-                async with asyncio.timeout(self.settings.realtime_idle_s):
+                async with asyncio.timeout(max(0.0, self.active + idle - time.monotonic())):
                     message = await self._receive()
+                self.active = time.monotonic()
             except TimeoutError:
-                if self.busy or not self.turns.empty():
+                if self.busy or not self.turns.empty() or time.monotonic() - self.active < idle:
                     continue  # waiting for its transcripts is not idling
                 self.error(p.ProtocolError(f"No event for {self.settings.realtime_idle_s:g} s: session closed "
                                            "(MMCPU_REALTIME_IDLE_S)", code="idle_timeout"))
@@ -346,6 +349,7 @@ class Session:
                 await self._final(turn)
             finally:
                 self.busy = False
+                self.active = time.monotonic()  # the idle time counts from the last transcript too
 
     async def _final(self, turn: Turn) -> None:
         config = turn.config
