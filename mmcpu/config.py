@@ -208,6 +208,11 @@ class Settings(BaseSettings):
         "in seconds (one decode per session in flight at most); 0 = no interim decodes, the whole text comes at "
         "commit"
     )
+    realtime_interims_per_engine: int = Field(
+        4, ge=1, description="interim decodes in flight on one engine across all its sessions: more sessions "
+        "than this take turns (each one's deltas come less often), so interim work never crowds out the turns' "
+        "final decodes"
+    )
     realtime_idle_s: float = Field(
         60, gt=0, description="a session that sends no event for this long while none of its turns waits for the "
         "engine is closed (`error` event, code `idle_timeout`); an interim decode in flight is cancelled"

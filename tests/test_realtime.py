@@ -484,6 +484,21 @@ def test_gone_client_leaves_no_engine_work(slow_engine, talk):
         assert [requests.labels(k)._value.get() for k in ("final", "interim")] == [0, 0]
 
 
+def test_interim_decodes_share_the_engine_slots(slow_engine, talk):
+    """Two sessions speaking at once with one interim slot per engine: one interim decode at the engine, never two;
+    the slot is freed when its session ends."""
+    state = slow_engine.app.state
+    audio, spans = talk
+    with gateway(slow_engine.url, realtime_interim_s=0.2, realtime_interims_per_engine=1) as served:
+        with connect(ws_url(served)) as a, connect(ws_url(served)) as b:
+            for ws in (a, b):
+                manual(ws)
+                send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:spans[0][1]]))
+            assert wait_for(lambda: state.active == 1, timeout=3)
+            assert not wait_for(lambda: state.active > 1, timeout=1.5)
+        assert wait_for(lambda: state.active == 0 and hub_of(served).interims["stub"] == 0)
+
+
 def test_stalled_client_leaves_no_engine_work(slow_engine, talk):
     """A client that stops sending in the middle of a turn: after MMCPU_REALTIME_IDLE_S its interim decode is
     abandoned at the engine and the session closed. (A session whose committed turn is still at the engine is not

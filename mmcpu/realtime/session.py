@@ -51,6 +51,7 @@ class Hub:
         self.settings = settings
         self.total = 0
         self.per_engine: Counter[str] = Counter()
+        self.interims: Counter[str] = Counter()  # interim decodes in flight per engine
         self.sessions = Gauge("mmcpu_realtime_sessions", "Open realtime sessions, by the engine of their model "
                               "('' = no model yet)", ["engine"], registry=registry)
         self.requests = Gauge("mmcpu_realtime_engine_requests", "Engine requests of realtime sessions in flight, "
@@ -81,6 +82,13 @@ class Hub:
         self.sessions.labels(engine or "").dec()
         if engine is not None:
             self.per_engine[engine] -= 1
+
+    def interim_slot(self, engine: str) -> bool:
+        """Take one of the engine's interim slots (MMCPU_REALTIME_INTERIMS_PER_ENGINE); False: all taken."""
+        if self.interims[engine] >= self.settings.realtime_interims_per_engine:
+            return False
+        self.interims[engine] += 1
+        return True
 
     def close(self, engine: str | None) -> None:
         self.total -= 1
@@ -384,17 +392,20 @@ class Session:
         every = self.settings.realtime_interim_s
         while True:
             await asyncio.sleep(min(0.1, every))
-            now = time.monotonic()
+            now, engine = time.monotonic(), self.engine
             if (self.item_id is None or self.interim is not None or self.busy or not self.turns.empty()
-                    or self.config.model is None or not self.buffer.speech
+                    or engine is None or self.config.model is None or not self.buffer.speech
                     or now - self.turn_opened < every or now - self.last_interim < every
                     or self.buffer.samples < MIN_INTERIM_S * ENGINE_RATE
-                    or self.buffer.samples <= self.interim_samples):
+                    or self.buffer.samples <= self.interim_samples or not self.hub.interim_slot(engine)):
                 continue
             self.last_interim = now
             self.interim_samples = self.buffer.samples
             self.interim = task = asyncio.create_task(self._interim(self.item_id, self.buffer.audio(), self.config))
-            await asyncio.wait({task})  # a commit cancels the decode, not this loop
+            try:
+                await asyncio.wait({task})  # a commit cancels the decode, not this loop
+            finally:
+                self.hub.interims[engine] -= 1
             if self.interim is task:
                 self.interim = None
 
