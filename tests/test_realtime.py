@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from mmcpu import vad
-from mmcpu.config import Settings
+from mmcpu.config import Settings, get_settings
 from mmcpu.gateway.app import create_app
 from mmcpu.realtime import protocol as p
 from mmcpu.realtime.audio import AudioError, Resampler, decode_pcm16, wav_bytes
@@ -37,6 +37,15 @@ from mmcpu_dev.servers import ServedApp
 
 MODEL = "stub-whisper"
 WORD_S = 0.5  # the stub engine's text: one word per this much audio
+
+
+@pytest.fixture(scope="module", autouse=True)
+def silero_model() -> None:
+    """The VAD's model where the gateway looks for it (`make models` fetches it; so does this, once)."""
+    from mmcpu_dev.fixtures import silero_vad
+
+    settings = get_settings()
+    silero_vad.build(settings.models_dir / vad.MODEL_DIR, settings.cache_dir / "wheels")
 
 
 # --- the stub engine --------------------------------------------------------------------------------------------
