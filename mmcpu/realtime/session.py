@@ -205,7 +205,8 @@ class Session:
             try:
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation that arrives as the
                 # awaited call completes, which for a client that floods is every time (the session never ends).
-                async with asyncio.timeout(max(0.0, self.active + idle - time.monotonic())):
+                # (At least 0.5 s: past the idle time with transcripts pending, it looks again twice a second.)
+                async with asyncio.timeout(max(0.5, self.active + idle - time.monotonic())):
                     message = await self._receive()
                 self.active = time.monotonic()
             except TimeoutError:
