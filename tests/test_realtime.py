@@ -513,6 +513,24 @@ def test_interim_decodes_share_the_engine_slots(slow_engine, talk):
         assert wait_for(lambda: state.active == 0 and hub_of(served).interims["stub"] == 0)
 
 
+def test_waiting_for_a_transcript_is_not_idle(talk):
+    """A client that commits and then only waits: its session outlives MMCPU_REALTIME_IDLE_S while the engine works
+    on the turn, delivers the transcript, and is closed for idleness only that long after it."""
+    engine = ServedApp(stub_engine(delay_s=3))
+    try:
+        with gateway(engine.url, realtime_idle_s=1) as served, connect(ws_url(served)) as ws:
+            manual(ws)
+            send(ws, "input_audio_buffer.append", audio=pcm16_base64(tone(1.0)))
+            send(ws, "input_audio_buffer.commit")
+            t0 = time.monotonic()
+            events = events_until(ws, "error", timeout=15)
+            kinds = [e["type"] for e in events]
+            assert "conversation.item.input_audio_transcription.completed" in kinds
+            assert events[-1]["error"]["code"] == "idle_timeout" and 3 + 0.9 < time.monotonic() - t0 < 3 + 3
+    finally:
+        engine.stop()
+
+
 def test_stalled_client_leaves_no_engine_work(slow_engine, talk):
     """A client that stops sending in the middle of a turn: after MMCPU_REALTIME_IDLE_S its interim decode is
     abandoned at the engine and the session closed. (A session whose committed turn is still at the engine is not
