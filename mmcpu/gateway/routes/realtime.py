@@ -7,6 +7,7 @@ transcription request (mmcpu.realtime). Keys are the HTTP API's: ``Authorization
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -117,5 +118,6 @@ async def realtime(websocket: WebSocket) -> None:
     finally:
         if websocket.application_state == WebSocketState.CONNECTED and \
                 websocket.client_state == WebSocketState.CONNECTED:
-            with contextlib.suppress(Exception):
-                await websocket.close(1000)
+            with contextlib.suppress(Exception):  # bounded: a client that reads nothing never takes the close
+                async with asyncio.timeout(websocket.app.state.settings.realtime_send_timeout_s):
+                    await websocket.close(1000)
