@@ -39,6 +39,7 @@ import soxr
 
 from mmcpu import cpu
 from mmcpu.config import REPO_ROOT, get_settings
+from mmcpu.proc import stop_group
 from mmcpu.realtime.audio import wav_bytes
 from mmcpu_dev import realtime, speech
 from mmcpu_dev.bench.stats import percentile
@@ -186,11 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             result["levels"].append(lv)
             e = lv["end_to_completed_s"]
             log(f"{n}: kept up {lv['kept_up']}/{n}, end->completed p50 {e['p50']} p90 {e['p90']}, first delta "
-                f"p50 {lv['first_delta_s']['p50']}, WER vs HTTP {lv['wer_vs_http']}")
+                f"p50 {lv['first_delta_s']['p50']}, WER vs HTTP {lv['wer_vs_http']}"
+                + (f"; {len(lv['failed_sessions'])} failed: {lv['failed_sessions'][0]}" if lv["failed_sessions"] else ""))
     finally:
         if gw is not None:
-            gw.terminate()
-            gw.wait(30)
+            stop_group(gw, timeout_s=30)
         if engine is not None:
             engine.stop()
     result["load_after"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())

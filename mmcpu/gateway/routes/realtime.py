@@ -16,12 +16,12 @@ from importlib import resources
 
 from fastapi import APIRouter, FastAPI, WebSocket
 from fastapi.responses import HTMLResponse
-from starlette.websockets import WebSocketState
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from mmcpu import vad
 from mmcpu.gateway.errors import OpenAIError
 from mmcpu.realtime import protocol as p
-from mmcpu.realtime.session import Hub, Session
+from mmcpu.realtime.session import Closed, Hub, Session
 
 log = logging.getLogger("mmcpu.realtime")
 router = APIRouter(tags=["realtime"])
@@ -101,8 +101,14 @@ async def realtime(websocket: WebSocket) -> None:
             return None
         return message["text"] if message.get("text") is not None else message.get("bytes") or b""
 
+    async def send(text: str) -> None:
+        try:
+            await websocket.send_text(text)
+        except (WebSocketDisconnect, RuntimeError):  # the client went away (RuntimeError: after its close)
+            raise Closed("the client is gone") from None
+
     try:
-        session = Session(sessions, websocket.app.state.upstreams, receive, websocket.send_text, beta=beta,
+        session = Session(sessions, websocket.app.state.upstreams, receive, send, beta=beta,
                           model=websocket.query_params.get("model"))
     except vad.VadUnavailable as exc:  # a deployment problem: said to the client, and logged
         sessions.close(None)
