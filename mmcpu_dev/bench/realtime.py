@@ -133,8 +133,9 @@ def render(result: dict) -> str:
                     f"{s(lv['wer_vs_http'])} | {s(lv['wer_vs_script'])} |")
     held = result["held_sessions"]
     return "\n".join([
-        f"Measured {result['date']} on {result['cpu']}; load average before / after: {result['load_before']} / "
-        f"{result['load_after']}{' (a shared, busy machine: figures disturbed)' if result['busy'] else ''}.",
+        f"Measured {result['date']} on {result['cpu']}; 1-minute load average before / after: "
+        f"{result['load_before']:.1f} / {result['load_after']:.1f}"
+        f"{' (a shared, busy machine: figures disturbed)' if result['busy'] else ''}.",
         f"Engine: `{result['model']}` ({result['engine']}); {result['clip_s']:.0f} s of speech per session, "
         f"{len(SENTENCES)} turns, at real-time pace.",
         "",
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = get_settings().cache_dir / "bench-realtime"
     folder.mkdir(parents=True, exist_ok=True)
     audio, audio24, spans = clip(folder)
-    load_before = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    load_before = os.getloadavg()[0]
     engine = None
     if args.engine_url:
         engine_url, model, engine_info = args.engine_url, args.model.name, "given"
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_group(gw, timeout_s=30)
         if engine is not None:
             engine.stop()
-    result["load_after"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    result["busy"] = max(float(x) for x in (load_before.split(" / ")[0],)) > 1.0
+    result["load_after"] = os.getloadavg()[0]
+    result["busy"] = max(load_before, result["load_after"]) > 1.5
     result["held_sessions"] = max((lv["sessions"] for lv in result["levels"] if lv["kept_up"] == lv["sessions"]
                                    and not lv["failed_sessions"]), default=0)
     out = args.out / "bench" / "realtime.json"
