@@ -611,3 +611,28 @@ def test_wav_is_what_a_client_uploads():
     data, rate = soundfile.read(io.BytesIO(wav_bytes(samples)), dtype="int16")
     assert rate == 16000
     np.testing.assert_array_equal(data, samples)
+
+
+def test_bench_keeps_up_only_when_every_turn_is_in_time():
+    """The realtime bench's arithmetic (mmcpu_dev.bench.realtime.summarize) on made-up runs: a session keeps up
+    when all its turns are completed within the bound after their speech ended; failed sessions are counted."""
+    from mmcpu_dev.bench.realtime import summarize
+    from mmcpu_dev.realtime import Item, Run
+
+    spans = [(16000, 48000), (64000, 96000)]  # speech at 1-3 s and 4-6 s
+
+    def run(done_after: list[float], delta_after: float | None = None) -> Run:
+        r = Run(t0=100.0, sent_until=107.0)
+        for i, ((a, b), late) in enumerate(zip(spans, done_after)):
+            first = None if delta_after is None else 100 + a / 16000 + delta_after
+            r.items[f"i{i}"] = Item(f"i{i}", completed=100 + b / 16000 + late, transcript=f" t{i}",
+                                    first_delta=first)
+        return r
+
+    out = summarize([run([0.5, 0.7], 1.2), run([0.4, 2.5]), TimeoutError()], spans, keep_up_s=2.0, clip_s=7.0)
+    assert out["sessions"] == 3 and out["kept_up"] == 1 and out["failed_sessions"] == ["TimeoutError()"]
+    assert out["end_to_completed_s"]["max"] == pytest.approx(2.5)
+    assert sorted(out["texts"]) == ["t0 t1", "t0 t1"] and out["client_send_lag_s"] == pytest.approx(0)
+    # without an interim delta the first delta is the final's: 1.2 and 1.2 (interim), 2.4 and 4.5 (the finals')
+    assert out["first_delta_s"]["p50"] == pytest.approx((1.2 + 2.4) / 2)
+

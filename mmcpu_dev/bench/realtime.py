@@ -84,6 +84,12 @@ async def level(url: str, model: str, audio24: np.ndarray, spans: list[tuple[int
         return await realtime.stream(url, model, audio24, rate=24000, pace=1.0)
 
     runs = await asyncio.gather(*(one(d) for d in offsets), return_exceptions=True)
+    return summarize(runs, spans, keep_up_s, audio24.size / 24000)
+
+
+def summarize(runs: list, spans: list[tuple[int, int]], keep_up_s: float, clip_s: float) -> dict:
+    """One level's figures from its sessions' runs (an exception: a session that failed). Times are taken from
+    where each sentence is in the clip (16 kHz ``spans``), against when that audio was due at real-time pace."""
     failed = [repr(r) for r in runs if isinstance(r, BaseException)]
     runs = [r for r in runs if not isinstance(r, BaseException)]
     ends, firsts, kept, texts, turns, lag = [], [], 0, [], [], []
@@ -94,13 +100,14 @@ async def level(url: str, model: str, audio24: np.ndarray, spans: list[tuple[int
         session_ends = []
         for it, (a, b) in zip(items, spans):
             session_ends.append(it.completed - (run.t0 + b / 16000))
-            # the first delta of the turn, interim or the final's own
+            # the turn's first delta: an interim one, else the final's own
             firsts.append((it.first_delta or it.completed) - (run.t0 + a / 16000))
         ends += session_ends
         kept += len(items) == len(spans) and all(e <= keep_up_s for e in session_ends)
-        lag.append(run.sent_until - (run.t0 + audio24.size / 24000))
+        lag.append(run.sent_until - (run.t0 + clip_s))
     return {
-        "sessions": n, "failed_sessions": failed, "kept_up": kept, "turns_per_session": sorted(set(turns)),
+        "sessions": len(runs) + len(failed), "failed_sessions": failed, "kept_up": kept,
+        "turns_per_session": sorted(set(turns)),
         "end_to_completed_s": {"p50": percentile(ends, 50), "p90": percentile(ends, 90), "max": max(ends, default=None)},
         "first_delta_s": {"p50": percentile(firsts, 50), "p90": percentile(firsts, 90)},
         "client_send_lag_s": max(lag, default=None), "texts": texts,
