@@ -244,6 +244,18 @@ def test_server_vad_turns_follow_the_pauses(talk):
         assert commit.audio.size / 16 >= (b - a) / 16 + 500  # the sentence and the pause that ended it
 
 
+def test_server_vad_turn_is_cut_at_the_longest_turn(talk):
+    """A turn longer than the longest turn (here 2 s) is committed there, and the speech goes on in a new turn."""
+    audio, spans = talk
+    a, b = spans[1]  # ~4.8 s of speech without a long pause
+    buf = InputBuffer(vad.session(), p.SERVER_VAD, 2 * 16000)
+    events = [ev for c in random_chunks(audio[:b + 16000], 5, 3000) for ev in buf.append(c)]
+    full = [ev for ev in events if isinstance(ev, Commit) and ev.reason == "full"]
+    assert len(full) >= 2 and all(c.audio.size == 2 * 16000 for c in full)
+    kinds = [type(ev) for ev in events]
+    assert kinds.count(Started) == kinds.count(Commit) == kinds.count(Stopped)  # every cut opens a new turn
+
+
 def test_manual_buffer_is_committed_at_the_longest_turn(talk):
     audio, _ = talk
     buf = InputBuffer(vad.session(), None, 2 * 16000)
@@ -409,6 +421,27 @@ def test_bad_events_get_errors_and_the_session_stays(engine):
             done = events_until(ws, "conversation.item.input_audio_transcription.completed")
             assert done[-1]["transcript"] == " w1 w2"  # the cleared audio is gone
         assert wait_for(lambda: hub_of(served).total == 0)
+
+
+def test_manual_commit_during_server_vad(gw, engine, talk):
+    """With server VAD on, a client's commit in the middle of speech ends the turn there (its item id kept); the
+    rest of the speech opens a new turn."""
+    audio, spans = talk
+    a, b = spans[0]
+    mid = (a + b) // 2
+    with connect(ws_url(gw)) as ws:
+        send(ws, "session.update", session=realtime_session(MODEL, rate=16000))
+        events_until(ws, "session.updated")
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:mid]))
+        started = events_until(ws, "input_audio_buffer.speech_started")[-1]
+        send(ws, "input_audio_buffer.commit")
+        committed = events_until(ws, "input_audio_buffer.committed")[-1]
+        assert committed["item_id"] == started["item_id"]
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[mid:b + 16000]))
+        events = events_until(ws, "input_audio_buffer.committed")
+        second = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
+        assert second and events[-1]["item_id"] == second[0]["item_id"] != started["item_id"]
+        assert events[-1]["previous_item_id"] == started["item_id"]
 
 
 def test_no_model_fails_the_turn_not_the_session(gw):

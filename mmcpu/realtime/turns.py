@@ -161,10 +161,13 @@ class InputBuffer:
             elif p < opts.neg_threshold and self._silence_from is None:
                 self._silence_from = pos
             paused = self._silence_from is not None and end - self._silence_from >= RATE * opts.min_silence_ms / 1000
-            full = end - self.start >= self.max_samples
-            if paused or full:
-                events.append(Stopped(ms(self._silence_from if paused else end)))
-                events.append(Commit(self.take(end), "vad" if paused else "full"))
+            if paused:
+                events.append(Stopped(ms(self._silence_from)))
+                events.append(Commit(self.take(end), "vad"))
+            elif end - self.start >= self.max_samples:  # cut at the longest turn exactly (Whisper's window)
+                cut = self.start + self.max_samples
+                events.append(Stopped(ms(cut)))
+                events.append(Commit(self.take(cut), "full"))
         if opts is not None and not self.speech:
             # Between turns only the padding before the next one is kept (and the frame in progress).
             keep_from = self.total - self.vad.rest.size - RATE * opts.pad_ms // 1000
