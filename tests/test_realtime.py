@@ -444,6 +444,25 @@ def test_manual_commit_during_server_vad(gw, engine, talk):
         assert events[-1]["previous_item_id"] == started["item_id"]
 
 
+def test_deltas_while_the_turn_is_spoken(gw, talk):
+    """Interim decodes of the open turn give deltas before it is committed (all but the last word heard); the
+    final's delta completes them, and the deltas joined are the final text."""
+    audio, spans = talk
+    a, b = spans[1]
+    with connect(ws_url(gw)) as ws:
+        manual(ws)
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:a + 32000]))  # 2 s into the speech
+        first = events_until(ws, "conversation.item.input_audio_transcription.delta")[-1]
+        assert first["delta"].split()[0] == "w1"
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[a + 32000:b]))
+        send(ws, "input_audio_buffer.commit")
+        events = [first, *events_until(ws, "conversation.item.input_audio_transcription.completed")]
+        kinds = [e["type"] for e in events]
+        assert kinds.index("input_audio_buffer.committed") > 0  # the first delta came before the commit
+        deltas = "".join(e["delta"] for e in events if e["type"].endswith(".delta"))
+        assert deltas.split() == events[-1]["transcript"].split()
+
+
 def test_no_model_fails_the_turn_not_the_session(gw):
     with connect(ws_url(gw)) as ws:
         send(ws, "session.update", session=realtime_session(None, rate=16000, turn_detection=None))
