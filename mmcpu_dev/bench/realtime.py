@@ -37,7 +37,7 @@ import openai
 import soundfile
 import soxr
 
-from mmcpu import cpu
+from mmcpu import cpu, launch
 from mmcpu.config import REPO_ROOT, get_settings
 from mmcpu.proc import stop_group
 from mmcpu.realtime.audio import wav_bytes
@@ -173,10 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_url:
         engine_url, model, engine_info = args.engine_url, args.model.name, "given"
     else:
-        engine = Engine(model=args.model, log_path=get_settings().cache_dir / "logs" / "bench-realtime-engine.log")
-        log(f"starting {args.model.name}")
+        # As the audio role serves it: this CPU's dtype and checkpoint (mmcpu/cpu_defaults.json), the int8 sibling
+        # where that is the default.
+        chosen = launch.choose("audio", str(args.model), get_settings())
+        engine = Engine(model=Path(chosen.model), served_model_name=args.model.name,
+                        env={"MMCPU_DTYPE": chosen.dtype},
+                        log_path=get_settings().cache_dir / "logs" / "bench-realtime-engine.log")
+        log(f"starting {chosen.line('audio')}")
         engine.start()
-        engine_url, model, engine_info = engine.base_url, engine.name, f"started in {engine.ready_s:.0f} s"
+        engine_url, model = engine.base_url, engine.name
+        engine_info = f"{Path(chosen.model).name}, {chosen.dtype}, quantization {chosen.quantization}, MRV2"
     gw = None
     try:
         gw, url, _ = gateway(engine_url)
