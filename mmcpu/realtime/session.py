@@ -1,7 +1,7 @@
 """One realtime transcription session: client events in, server events out, turns sent to the engine.
 
 Tasks of a session, all ended with it (disconnect, idle timeout, a client that stops reading):
-- the reader (:meth:`Session.run`'s loop): client events, in order; audio goes through the resampler and the VAD
+- the reader: client events, in order; audio goes through the resampler and the VAD
   into the input buffer, whose commits queue turns;
 - the writer: server events out, each send bounded by ``realtime_send_timeout_s``;
 - the transcriber: committed turns in commit order, one engine request at a time, then ``completed``;
