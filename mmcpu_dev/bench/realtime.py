@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/realtime.md's figures")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the engine and the gateway (in sessions of their own) are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = [int(x) for x in args.levels.split(",") if x]
     folder = get_settings().cache_dir / "bench-realtime"
     folder.mkdir(parents=True, exist_ok=True)
