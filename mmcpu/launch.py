@@ -28,13 +28,8 @@ from mmcpu import cpu, defaults, health
 from mmcpu.config import Settings, get_settings
 from mmcpu.cpu import Cpus, cgroup_memory_limit
 from mmcpu.health import ROLE_FILE, model_kind
+from mmcpu.names import served_name
 from mmcpu.supervisor import Process, supervise, watchdogs
-
-
-def served_name(model: str) -> str:
-    """Clients address a local checkpoint by its folder name, a hub model by its id."""
-    local = model.startswith(("/", ".")) or Path(model).is_dir()
-    return Path(model).name if local else model
 
 
 # vLLM's default multimodal processor cache (--mm-processor-cache-gb) and our share of a container's memory for

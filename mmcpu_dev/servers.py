@@ -23,14 +23,9 @@ import uvicorn
 
 from mmcpu.kernels import dispatch
 from mmcpu.proc import stop_group, tree_rss
+from mmcpu_dev.shell import free_port  # one definition, stdlib only: the host scripts use it too
 
 MRV2_LOG_LINE = "Using V2 Model Runner"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until_ok(url: str, proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> None:

@@ -40,6 +40,9 @@ def fetch(requirement: str, dest: Path, *, expect_sha256: str | None = None) -> 
         if done.returncode != 0 or not wheels:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise WheelError(f"pip download {requirement} failed (exit {done.returncode}; is PyPI reachable?): {last}")
+        # Sized as pip prints it: the image build's progress adds it to what the build downloaded.
+        print(f"[wheels] downloaded {wheels[-1].name} ({wheels[-1].stat().st_size / 1e6:.1f} MB)", file=sys.stderr,
+              flush=True)
     wheel = wheels[-1]
     if expect_sha256 and (digest := sha256(wheel)) != expect_sha256:
         raise WheelError(f"{wheel} has sha256 {digest}, expected {expect_sha256}; delete it and retry")

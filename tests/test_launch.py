@@ -322,13 +322,3 @@ def test_entrypoint_runs_a_role_of_the_settings(monkeypatch, tmp_path):
             launch.entrypoint(["nobody"])  # argparse: not a role of these settings
     finally:
         get_settings.cache_clear()
-
-
-def test_the_e2e_script_asks_python_for_its_facts(capsys):
-    from mmcpu_dev import shell
-
-    for args, expected in [(["served-name", "/models/whisper-tiny.en"], "whisper-tiny.en"),
-                           (["served-name", "openai/whisper-tiny.en"], "openai/whisper-tiny.en"),
-                           (["human", str(2587654321)], "2.41GiB"), (["human", "1536"], "1.50KiB")]:
-        assert shell.main(args) == 0 and capsys.readouterr().out == expected + "\n"
-    assert shell.main(["free-port"]) == 0 and 1024 <= int(capsys.readouterr().out) < 65536
