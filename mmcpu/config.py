@@ -222,6 +222,44 @@ class Settings(BaseSettings):
         "stop_grace_period and Kubernetes terminationGracePeriodSeconds 150 s"
     )
 
+    # --- realtime transcription (the gateway's /v1/realtime WebSocket; docs/realtime.md) -------------
+    realtime_max_sessions: int = Field(
+        64, ge=0, description="realtime sessions the gateway holds at once, with or without a model yet; one "
+        "more is told so (`error` event, code `session_limit_reached`) and closed; 0 = /v1/realtime off"
+    )
+    realtime_sessions_per_engine: int = Field(
+        32, ge=1, description="realtime sessions bound to one engine (by their transcription model) at once; one "
+        "more gets an `error` event (code `session_limit_reached`) and keeps its previous model, if any"
+    )
+    realtime_buffer_s: float = Field(
+        30, gt=1, le=30, description="longest turn in seconds of audio (Whisper's window): an open turn that "
+        "reaches it is committed there, with or without a pause"
+    )
+    realtime_interim_s: float = Field(
+        1.0, ge=0, description="how often the open turn is decoded again for `delta` events while it is spoken, "
+        "in seconds (one decode per session in flight at most); 0 = no interim decodes, the whole text comes at "
+        "commit"
+    )
+    realtime_interims_per_engine: int = Field(
+        4, ge=1, description="interim decodes in flight on one engine across all its sessions: more sessions "
+        "than this take turns (each one's deltas come less often), so interim work never crowds out the turns' "
+        "final decodes"
+    )
+    realtime_idle_s: float = Field(
+        60, gt=0, description="a session that sends no event for this long while none of its turns waits for the "
+        "engine is closed (`error` event, code `idle_timeout`); an interim decode in flight is cancelled"
+    )
+    realtime_send_timeout_s: float = Field(
+        10, gt=0, description="a client that does not read its server events for this long is disconnected and "
+        "its engine requests cancelled"
+    )
+    realtime_max_event_mb: float = Field(
+        15, gt=0, le=16, description="largest client event in MiB (OpenAI's limit for input_audio_buffer.append); "
+        "larger: an `error` event, the session stays open. Above 16 MiB the WebSocket layer closes the connection "
+        "(code 1009)"
+    )
+    # --- end of realtime transcription -------------------------------------------------------------
+
     @field_validator("engine_roles")
     @classmethod
     def _check_engine_roles(cls, value: dict[str, EngineRole]) -> dict[str, EngineRole]:

@@ -295,3 +295,28 @@ def wav_declaring(sample_rate: int, seconds_of_data: float = 1.0, claimed_bytes:
         at = data.index(b"data") + 4
         data[at : at + 4] = struct.pack("<I", claimed_bytes)
     return bytes(data)
+
+
+# --- realtime transcription (/v1/realtime) ----------------------------------------------------------------------
+SERVER_VAD = {"type": "server_vad"}  # OpenAI's defaults: threshold 0.5, prefix_padding_ms 300, silence_duration_ms 500
+
+
+def realtime_session(model: str | None, *, rate: int = 24_000, language: str | None = None,
+                     prompt: str | None = None, turn_detection: dict[str, Any] | None = SERVER_VAD) -> dict[str, Any]:
+    """``session`` of a GA ``session.update`` for a transcription session (``conn.session.update(session=...)``)."""
+    transcription = {"model": model, **({"language": language} if language else {}),
+                     **({"prompt": prompt} if prompt else {})}
+    return {"type": "transcription", "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": rate}, "transcription": transcription,
+        "turn_detection": turn_detection}}}
+
+
+def realtime_beta_session(model: str | None, *, turn_detection: dict[str, Any] | None = SERVER_VAD) -> dict[str, Any]:
+    """``session`` of a beta ``transcription_session.update`` (24 kHz pcm16)."""
+    return {"input_audio_format": "pcm16", "input_audio_transcription": {"model": model},
+            "turn_detection": turn_detection}
+
+
+def pcm16_base64(samples: np.ndarray) -> str:
+    """``input_audio_buffer.append``'s ``audio``: little-endian 16-bit PCM, base64."""
+    return base64.b64encode(np.asarray(samples, dtype="<i2").tobytes()).decode()

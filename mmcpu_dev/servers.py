@@ -206,9 +206,10 @@ def assert_native_then_stop(engine: Engine) -> KernelCounts:
 class ServedApp:
     """A uvicorn server in a thread on 127.0.0.1 (a free port, or a given one to come back on after stop())."""
 
-    def __init__(self, app: Any, port: int = 0) -> None:
+    def __init__(self, app: Any, port: int = 0, **config: Any) -> None:
         self.app = app
         self.port = port
+        self.config = config  # more uvicorn.Config arguments, e.g. ssl_certfile / ssl_keyfile
         self.start()
 
     def start(self) -> None:
@@ -216,7 +217,8 @@ class ServedApp:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1, access_log=False)
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1, access_log=False,
+                                **self.config)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -234,7 +236,7 @@ class ServedApp:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.config.get('ssl_certfile') else 'http'}://127.0.0.1:{self.port}"
 
 
 class _Counted(BaseHTTPRequestHandler):

@@ -77,3 +77,26 @@ def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
     import jiwer  # only scoring needs it
 
     return jiwer.wer([normalize(r) for r in references], [normalize(h) or "<empty>" for h in hypotheses])
+
+
+def conversation(out: Path, sentences: list[str], *, pause_s: float = 1.2, lead_s: float = 0.5,
+                 speed: int = 130) -> tuple[Path, list[tuple[int, int]]]:
+    """One 16 kHz WAV of ``sentences`` spoken one after another with ``pause_s`` of silence between them (and
+    ``lead_s`` before the first and after the last): a speaker taking turns. Returns the file and each sentence's
+    (start, end) in samples, where espeak-ng's own leading and trailing silence is trimmed off."""
+    import numpy as np
+    import soundfile
+
+    rate = 16_000
+    parts, spans, pos = [np.zeros(int(lead_s * rate), dtype=np.int16)], [], int(lead_s * rate)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, text in enumerate(sentences):
+            samples, _ = soundfile.read(synthesize(text, Path(tmp) / f"{i}.wav", speed=speed), dtype="int16")
+            loud = np.flatnonzero(np.abs(samples.astype(np.int32)) > 64)
+            samples = samples[loud[0]: loud[-1] + 1] if loud.size else samples
+            spans.append((pos, pos + samples.size))
+            gap = np.zeros(int((pause_s if i < len(sentences) - 1 else lead_s) * rate), dtype=np.int16)
+            parts += [samples, gap]
+            pos += samples.size + gap.size
+    soundfile.write(out, np.concatenate(parts), rate, subtype="PCM_16")
+    return out, spans

@@ -33,6 +33,7 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 
 bench: models bench-venv
 	$(PY) -m mmcpu_dev.bench full --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
+	$(PY) -m mmcpu_dev.bench realtime
 
 bench-peers: models
 	$(PY) -m mmcpu_dev.bench peers --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)

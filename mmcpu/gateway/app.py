@@ -20,7 +20,7 @@ from mmcpu.gateway.dependencies import API_DEPENDENCIES, limit_bytes
 from mmcpu.gateway.errors import install_error_handlers
 from mmcpu.gateway.metrics import Metrics
 from mmcpu.gateway.middleware import GatewayMiddleware
-from mmcpu.gateway.routes import models, ops, proxy
+from mmcpu.gateway.routes import models, ops, proxy, realtime
 from mmcpu.gateway.upstream import Upstreams
 
 
@@ -51,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(ops.router)
+    app.include_router(realtime.router)  # WebSocket: its own key check (Bearer or browser subprotocol)
     for router in (proxy.router, models.router):
         app.include_router(router, dependencies=API_DEPENDENCIES)
     app.add_middleware(GatewayMiddleware, limit_bytes=limit_bytes(settings), metrics=metrics)

@@ -21,6 +21,9 @@
              its own options: python -m mmcpu_dev.bench attention --help)
     float32  float32 GEMM GFLOP/s per CPU path (MKL via F.linear, vLLM's oneDNN, torch's mkldnn) at Whisper's
              linear shapes (mmcpu_dev.bench.float32; docs/bench/float32.md)
+    realtime realtime transcription sessions at real-time pace on one engine through the gateway: sessions held,
+             end of speech -> completed, first delta, WER against the HTTP API (mmcpu_dev.bench.realtime; its
+             own options; make bench runs it after full)
     c1profile one request at c=1 taken apart, ours against OpenVINO GenAI's perf_metrics (mmcpu_dev.bench.c1profile;
              docs/bench/c1-profile.md)
 """
@@ -50,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from mmcpu_dev.bench import float32
 
         return float32.main(argv[1:])
+    if argv[:1] == ["realtime"]:  # realtime sessions at real-time pace on one engine, through the gateway
+        from mmcpu_dev.bench import realtime
+
+        return realtime.main(argv[1:])
     if argv[:1] == ["c1profile"]:  # one request's parts, ours against OpenVINO GenAI
         from mmcpu_dev.bench import c1profile
 
