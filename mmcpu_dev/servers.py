@@ -239,6 +239,24 @@ class ServedApp:
         return f"{'https' if self.config.get('ssl_certfile') else 'http'}://127.0.0.1:{self.port}"
 
 
+# The client key of the gateways tests put in front of their engines (tests/conftest.py, tests/test_hard_inputs.py).
+GATEWAY_KEY = "test-client-key"
+
+
+@contextlib.contextmanager
+def gateway_for(**engines: Engine) -> Iterator[ServedApp]:
+    """A gateway (in this process, on loopback, with a client key) in front of the given engines."""
+    from mmcpu.config import Settings
+    from mmcpu.gateway.app import create_app
+
+    served = ServedApp(create_app(Settings(engines=",".join(f"{n}={e.base_url}" for n, e in engines.items()),
+                                           api_key=GATEWAY_KEY)))
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
 class _Counted(BaseHTTPRequestHandler):
     """Answers every GET with a small JSON body (like an internal API) and counts it."""
 

@@ -18,7 +18,7 @@ import pytest
 
 from mmcpu_dev import lines, speech, wheels
 from mmcpu.config import Settings, get_settings
-from mmcpu_dev.servers import STARTS, assert_native_then_stop, test_engine
+from mmcpu_dev.servers import STARTS, assert_native_then_stop, gateway_for, test_engine
 
 SETTINGS = get_settings()
 PROOF_SERIES = lines.REPO / "patches" / f"series-{lines.PROOF}"
@@ -124,24 +124,6 @@ def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
     print(f"\n[llava MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)
-
-
-# The client key of the gateways in front of the session's engines (tests/test_hard_inputs.py).
-GATEWAY_KEY = "test-client-key"
-
-
-@contextlib.contextmanager
-def gateway_for(**engines):
-    """A gateway (in this process, on loopback, with a client key) in front of the given engines."""
-    from mmcpu.gateway.app import create_app
-    from mmcpu_dev.servers import ServedApp
-
-    served = ServedApp(create_app(Settings(engines=",".join(f"{n}={e.base_url}" for n, e in engines.items()),
-                                           api_key=GATEWAY_KEY)))
-    try:
-        yield served
-    finally:
-        served.stop()
 
 
 @pytest.fixture(scope="module")

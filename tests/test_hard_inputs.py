@@ -17,13 +17,13 @@ import warnings
 
 import httpx
 import pytest
-from conftest import GATEWAY_KEY, gateway_for
 from openai.types.audio import TranscriptionVerbose, TranslationVerbose
 
 from mmcpu.media import FETCH_FAILED
 from mmcpu_dev import hard_inputs, speech
 from mmcpu_dev.checks import WER_LIMIT
 from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
+from mmcpu_dev.servers import GATEWAY_KEY, gateway_for
 from mmcpu_dev.servers import closed_port, counting_http_server
 
 pytestmark = pytest.mark.slow
