@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import openai
+from websockets.exceptions import ConnectionClosed
 
 from mmcpu_dev.payloads import SERVER_VAD, pcm16_base64, realtime_session
 
@@ -76,6 +77,17 @@ class Run:
             self.item(item_id).failed = ev["error"]
 
 
+class SessionClosed(AssertionError):
+    """The server closed the session before every committed turn had its transcript."""
+
+    def __init__(self, closed: ConnectionClosed, run: Run, sent_all: bool) -> None:
+        open_items = [i.item_id for i in run.items.values() if i.committed and i.transcript is None and not i.failed]
+        last = [ev for _, ev in run.events[-5:]]
+        super().__init__(f"the server closed the session ({closed}) {time.monotonic() - run.t0:.1f} s in, "
+                         f"{'after' if sent_all else 'before'} the client sent all its audio; committed items "
+                         f"without a transcript: {open_items}; its last events: {last}")
+
+
 def client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0)
 
@@ -117,10 +129,16 @@ async def stream(base_url: str, model: str, audio: np.ndarray, *, rate: int = 16
             # Once every committed item has its transcript, the session is done when nothing more comes for a
             # moment (a turn the VAD is still closing would send its events).
             while True:
+                if sender.done() and not sender.cancelled() and (exc := sender.exception()):
+                    raise exc  # a client that could not send is the failure, not the wait that follows
                 try:
-                    ev = await asyncio.wait_for(conn.recv(), QUIET_S if settled() else None)
+                    ev = await asyncio.wait_for(conn.recv(), QUIET_S if settled() else 1.0)
                 except asyncio.TimeoutError:
-                    return
+                    if settled():
+                        return
+                    continue
+                except ConnectionClosed as exc:  # the server ended the session first: say what it last said
+                    raise SessionClosed(exc, run, done_sending.is_set()) from None
                 run.record(time.monotonic(), ev.to_dict())
 
         sender = asyncio.create_task(send())
