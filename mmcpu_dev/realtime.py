@@ -54,6 +54,10 @@ class Run:
     def completed(self) -> list[Item]:
         return [i for i in self.items.values() if i.transcript is not None]
 
+    def waiting(self) -> list[Item]:
+        """Committed items with neither a transcript nor a failure yet."""
+        return [i for i in self.items.values() if i.committed and i.transcript is None and not i.failed]
+
     def text(self) -> str:
         return " ".join(i.transcript.strip() for i in self.completed)
 
@@ -81,7 +85,7 @@ class SessionClosed(AssertionError):
     """The server closed the session before every committed turn had its transcript."""
 
     def __init__(self, closed: ConnectionClosed, run: Run, sent_all: bool) -> None:
-        open_items = [i.item_id for i in run.items.values() if i.committed and i.transcript is None and not i.failed]
+        open_items = [i.item_id for i in run.waiting()]
         last = [ev for _, ev in run.events[-5:]]
         super().__init__(f"the server closed the session ({closed}) {time.monotonic() - run.t0:.1f} s in, "
                          f"{'after' if sent_all else 'before'} the client sent all its audio; committed items "
@@ -122,8 +126,7 @@ async def stream(base_url: str, model: str, audio: np.ndarray, *, rate: int = 16
             done_sending.set()
 
         def settled() -> bool:
-            return done_sending.is_set() and all(
-                i.transcript is not None or i.failed for i in run.items.values() if i.committed)
+            return done_sending.is_set() and not run.waiting()
 
         async def receive() -> None:
             # Once every committed item has its transcript, the session is done when nothing more comes for a
