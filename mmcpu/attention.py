@@ -195,7 +195,7 @@ _FUNCS = {"extend": extend, "cpu_attn": cpu_attn, "sdpa": sdpa, "sdpa_strided": 
 
 def reference(q, k, v, scale, cu_seqlens=None, enable_gqa=False) -> torch.Tensor:
     """The float32 math reference of any implementation (same inputs, upcast)."""
-    return sdpa_strided(*(x.float() for x in (q, k, v)), scale, cu_seqlens, enable_gqa)
+    return sdpa_strided(q.float(), k.float(), v.float(), scale, cu_seqlens, enable_gqa)
 
 
 def tolerance(dtype: torch.dtype, vmax: float) -> float:

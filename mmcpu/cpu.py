@@ -129,8 +129,8 @@ class Cpus:
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """CPUs' worth of quota from cgroup v2 ``cpu.max`` (or v1 ``cpu.cfs_quota_us``); None when unlimited."""
     try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
+        max_quota, max_period = (root / "cpu.max").read_text().split()[:2]
+        return None if max_quota == "max" else int(max_quota) / int(max_period)
     except (OSError, ValueError):
         pass
     try:

@@ -115,7 +115,7 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
         dwhy = f"dtype float32: MMCPU_KERNELS=interpreter (the table's {choice.dtype} is not possible there)"
     quant_from_row = False
     if quantization == "auto":
-        wanted = choice.quantization if apply_table_quantization and speech else "none"
+        wanted: str = choice.quantization if apply_table_quantization and speech else "none"
         quant_from_row = wanted == choice.quantization
         qwhy = "quantization: " + source if quant_from_row else "quantization: the model as given"
     else:

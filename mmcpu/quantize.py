@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     import torch
@@ -351,7 +351,7 @@ def _source_dtype(config: dict[str, Any]) -> torch.dtype:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + error
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 

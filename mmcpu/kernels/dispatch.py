@@ -119,7 +119,7 @@ def _reached(fn: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
             if callable(inner) and hasattr(value, "arg_names"):  # a jit function (interpreted or compiled)
                 seen.add(name)
                 todo.append(inner)
-            elif type(value).__name__ == "constexpr":
+            elif value is not None and type(value).__name__ == "constexpr":
                 seen.add(name)
                 yield "constexpr", (name, value.value)
 
@@ -265,6 +265,7 @@ def _run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         STATS.native[entry.name] += 1
         return run_native(entry, self.arg_names, grid, args, kwargs)
     STATS.interpreter[self.fn.__name__] += 1
+    assert _original_run is not None  # installed before InterpretedFunction.run can be this
     return _original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
 

@@ -68,6 +68,7 @@ def _patch_lang(fn: Any) -> Any:
     restoring it, so it is set again for them)."""
     import triton.language as tl
 
+    assert _original_patch_lang is not None  # installed before any launch can reach here
     scope = _original_patch_lang(fn)
     if fn.__name__ in TENSOR_RANGE_KERNELS:  # the launch itself: its scope is restored when the launch ends
         _in_launch["on"], restore = True, scope.restore

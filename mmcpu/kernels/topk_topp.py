@@ -252,7 +252,7 @@ def _compact(vals: np.ndarray, mask: np.ndarray, fill: float) -> tuple[np.ndarra
     return out, cnt
 
 
-def _dup_ranks(vals: np.ndarray, dup: np.ndarray) -> np.ndarray:
+def _dup_ranks(vals: np.ndarray, dup: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Within-1e-9 matches of each row's ``dup`` and their running count (the kernel's num_kept cumsum)."""
     m = np.abs(vals - dup[:, None]) < EPS
     return m, np.cumsum(m, axis=1)

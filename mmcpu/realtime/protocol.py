@@ -117,7 +117,7 @@ def _transcription(value: Any, param: str, config: Config) -> Config:
         return replace(config, model=None, language=None, prompt=None)
     value = _object(value, param)
     _known(value, {"model", "language", "prompt"}, param)
-    changes = {name: _text(value[name], f"{param}.{name}") for name in ("model", "language", "prompt")
+    changes: dict[str, Any] = {name: _text(value[name], f"{param}.{name}") for name in ("model", "language", "prompt")
                if name in value}
     return replace(config, **changes)
 

@@ -164,7 +164,7 @@ class Session:
     async def run(self) -> None:
         """Serve the session until the client leaves or it is closed; every task and engine request ends here."""
         writer = asyncio.create_task(self._writer(), name=f"{self.id} writer")
-        tasks = [asyncio.create_task(self._transcriber(), name=f"{self.id} transcriber")]
+        tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._transcriber(), name=f"{self.id} transcriber")]
         if self.settings.realtime_interim_s > 0:
             tasks.append(asyncio.create_task(self._interims(), name=f"{self.id} interims"))
         reader = asyncio.create_task(self._reader(), name=f"{self.id} reader")
@@ -181,9 +181,9 @@ class Session:
                     async with asyncio.timeout(self.settings.realtime_send_timeout_s):
                         await asyncio.shield(writer)
         finally:
-            for task in (reader, writer, *tasks, self.interim):
-                if task is not None:
-                    task.cancel()
+            for each in (reader, writer, *tasks, self.interim):
+                if each is not None:
+                    each.cancel()
             await asyncio.gather(reader, writer, *tasks, *([self.interim] if self.interim else []),
                                  return_exceptions=True)
             self.hub.close(self.engine)
@@ -412,6 +412,7 @@ class Session:
 
     async def _interim(self, item_id: str, audio: np.ndarray, config: p.Config) -> None:
         self.hub.requests.labels("interim").inc()
+        assert config.model is not None  # _interims starts a decode only once the session names a model
         try:
             result = await transcribe(self.upstreams, config.model, audio, language=config.language,
                                       prompt=config.prompt)

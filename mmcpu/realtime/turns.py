@@ -160,9 +160,9 @@ class InputBuffer:
                 self._silence_from = None
             elif p < opts.neg_threshold and self._silence_from is None:
                 self._silence_from = pos
-            paused = self._silence_from is not None and end - self._silence_from >= RATE * opts.min_silence_ms / 1000
-            if paused:
-                events.append(Stopped(ms(self._silence_from)))
+            silent_from = self._silence_from
+            if silent_from is not None and end - silent_from >= RATE * opts.min_silence_ms / 1000:
+                events.append(Stopped(ms(silent_from)))
                 events.append(Commit(self.take(end), "vad"))
             elif end - self.start >= self.max_samples:  # cut at the longest turn exactly (Whisper's window)
                 cut = self.start + self.max_samples
