@@ -1083,11 +1083,11 @@ def test_engine_token_counters_read_with_prometheus_parser() -> None:
     from mmcpu.health import token_count
 
     text = (
-        "# TYPE vllm:prompt_tokens counter\n"
+        "# TYPE vllm:prompt_tokens_total counter\n"
         'vllm:prompt_tokens_total{model_name="m",engine="0"} 120.0 1700000000000\n'
         'vllm:prompt_tokens_total{model_name="m",engine="1"} 5.0\n'
         'vllm:prompt_tokens_created{model_name="m",engine="0"} 1.7e9\n'
-        "# TYPE vllm:generation_tokens counter\n"
+        "# TYPE vllm:generation_tokens_total counter\n"
         'vllm:generation_tokens_total{model_name="m"} 30\n'
         "# TYPE vllm:num_requests_running gauge\n"
         'vllm:num_requests_running{model_name="m"} 2\n'
