@@ -1093,3 +1093,41 @@ def test_engine_token_counters_read_with_prometheus_parser() -> None:
         'vllm:num_requests_running{model_name="m"} 2\n'
     )
     assert token_count(text) == 155.0
+
+
+class _OneRefusal(httpx.AsyncBaseTransport):
+    """A replica behind one Service URL that refuses a connection once; the next connections reach a good one."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.refused = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not self.refused:
+            self.refused += 1
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_one_refused_connection_does_not_mark_a_service_down() -> None:
+    """One failed connection costs its request (503) but the probe that follows finds the engine's URL healthy,
+    so the engine stays up and the next request is served; nothing waits for the background re-probe."""
+    audio, vision = _engines()
+    served = ServedApp(create_app(_settings(audio, vision)))
+    try:
+        engine = served.app.state.upstreams.engines["vision"]
+        flaky = _OneRefusal()
+        engine.client = httpx.AsyncClient(transport=flaky, timeout=10)
+        chat = image_chat_kwargs([make_image(1)], model=VISION_MODEL)
+        r = httpx.post(f"{served.url}/v1/chat/completions", json=chat)
+        assert_openai_error(r, 503, "engine_unavailable")
+        assert flaky.refused == 1 and engine.up, engine.error
+        r = httpx.post(f"{served.url}/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+    finally:
+        served.stop()
+        audio.served.stop()
+        vision.served.stop()
