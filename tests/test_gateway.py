@@ -862,7 +862,7 @@ def test_admission_limit_429_at_once_then_queue_bound_503() -> None:
                         json=image_chat_kwargs([make_image(1)], model=VISION_MODEL))
         error = assert_openai_error(r, 429, "engine_overloaded", "server_error")
         assert r.headers["retry-after"] == "3" and "MMCPU_ENGINE_QUEUE" in error["message"]
-        assert took < 0.5, took
+        assert took < 1, took  # not queued (the queue wait is 2 s); the bound allows for a busy machine
         # the other engine, /health and the models are served meanwhile
         assert client_for(served).audio.transcriptions.create(**transcription_kwargs(SPEECH, model=AUDIO_MODEL)).text
         r, health_s = timed("GET", f"{served.url}/health")

@@ -30,7 +30,6 @@ class GatewayMiddleware:
         status: int | None = None
         received = 0
         failure = ""
-
         body_done = False
 
         async def limited_receive() -> Message:
@@ -40,11 +39,14 @@ class GatewayMiddleware:
             nonlocal received, body_done
             if body_done:
                 return await receive()  # only the disconnect is left to come
-            try:
-                async with asyncio.timeout(start + self.body_timeout_s - time.perf_counter()):
-                    message = await receive()
-            except TimeoutError:
-                raise BodyTimeout(self.body_timeout_s) from None
+            if status is not None:  # the answer already started (an engine that refused an upload early)
+                message = await receive()
+            else:
+                try:
+                    async with asyncio.timeout(start + self.body_timeout_s - time.perf_counter()):
+                        message = await receive()
+                except TimeoutError:
+                    raise BodyTimeout(self.body_timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
