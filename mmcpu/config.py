@@ -195,7 +195,12 @@ class Settings(BaseSettings):
     )
     api_key: SecretStr | None = Field(
         None, description="if set and not empty, every /v1/* request needs 'Authorization: Bearer KEY' (else "
-        "401); /health, /ping, /metrics stay open"
+        "401); /ping and /metrics stay open, /health says only ok / degraded / unavailable without the key"
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="let the gateway listen beyond loopback (MMCPU_HOST not 127.0.0.1 / ::1 / localhost) "
+        "without MMCPU_API_KEY; false: it refuses to start so. Compose sets it (the container must bind 0.0.0.0 and "
+        "the stack publishes on 127.0.0.1 only); Kubernetes never does"
     )
     max_upload_mb: float = Field(25, gt=0, description="largest request body in MiB (audio uploads, image "
                                  "chats); larger: 413, checked from Content-Length and while a chunked body streams")
@@ -215,6 +220,40 @@ class Settings(BaseSettings):
     stall_s: float = Field(
         30, ge=0, description="the gateway marks an engine down (503 engine_unavailable, in-flight requests "
         "included) when requests wait on it this long and its token counters do not move; 0 = never"
+    )
+    engine_concurrency: int = Field(
+        8, ge=1, description="requests the gateway has in flight to one engine at once (its connection pool's "
+        "size; match vLLM's --max-num-seqs of the engine, or what its replicas run together). The next ones queue"
+    )
+    engine_queue: int = Field(
+        32, ge=0, description="requests that may wait for one engine beyond MMCPU_ENGINE_CONCURRENCY; one more is "
+        "answered 429 (code `engine_overloaded`, `Retry-After`) at once"
+    )
+    queue_timeout_s: float = Field(
+        30, gt=0, description="longest a queued request waits for a place at its engine; then 503 (code "
+        "`engine_busy`, `Retry-After`)"
+    )
+    retry_after_s: int = Field(2, ge=1, description="`Retry-After` of the gateway's 429 and 503 answers, seconds")
+    body_timeout_s: float = Field(
+        30, gt=0, description="the whole request body must arrive within this time of the request's start (at "
+        "25 MiB: 0.85 MiB/s); later: 408 and the connection closed, so slow uploads cannot hold engine places"
+    )
+    max_json_depth: int = Field(
+        64, ge=2, description="deepest nesting of arrays and objects in a JSON body; deeper: 400, found by a scan "
+        "of the bytes before they are parsed"
+    )
+    max_json_items: int = Field(
+        100_000, ge=100, description="most values (array elements and object members) in a JSON body; more: 400 "
+        "before parsing. Each image or text is one value, however long"
+    )
+    max_n: int = Field(
+        16, ge=1, description="largest `n` (and vLLM's `best_of`) of a chat request: choices computed per request; "
+        "larger: 400 naming the parameter"
+    )
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="largest `max_tokens` / `max_completion_tokens`; larger: 400 naming the parameter. "
+        "Always bounded by the model length (max_model_len of the engine's /v1/models)",
+        json_schema_extra={"doc_default": "the model length only"},
     )
     drain_s: float = Field(
         120, ge=0, description="on SIGTERM, in-flight requests may still run this long (engines: vLLM "

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from mmcpu.config import Settings, get_settings
 
 STATE_DIR = Path("/tmp")
@@ -154,13 +156,16 @@ def request(url: str, timeout: float, data: bytes | None = None, headers: dict[s
         raise Unhealthy(f"{url.split('/', 3)[-1]}: {exc or type(exc).__name__}") from None
 
 
+TOKEN_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
 def token_count(metrics: str) -> float:
-    """Prompt + generation tokens the engine has processed so far (vLLM's Prometheus counters)."""
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(("vllm:prompt_tokens_total", "vllm:generation_tokens_total")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """Prompt + generation tokens the engine has processed so far (vLLM's Prometheus counters, every label set),
+    read with prometheus_client's parser: a timestamp after the value or an OpenMetrics ``_created`` sample is
+    not taken for the count."""
+    # By sample name: the family is named without _total when a TYPE line says counter, with it when none does.
+    return sum(sample.value for family in text_string_to_metric_families(metrics) for sample in family.samples
+               if sample.name in TOKEN_COUNTERS)
 
 
 def silent_wav(seconds: float = 0.5, rate: int = 16000) -> bytes:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -63,6 +64,9 @@ class StandInEngine:
         self.release = threading.Event()  # lets a held SSE stream finish
         self.stream_finished = threading.Event()
         self.stream_abandoned = threading.Event()  # the stream's reader went away before the end
+        self.max_model_len: int | None = None  # listed in /v1/models when set, as vLLM does
+        self.holding = 0  # "hold" chats running now (they wait for `release`, or for their client to go)
+        self.held_abandoned = threading.Event()  # a held chat's client went away
         self.served = ServedApp(self._app())
 
     @property
@@ -84,8 +88,10 @@ class StandInEngine:
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
             self.model_listings += 1
+            extra = {} if self.max_model_len is None else {"max_model_len": self.max_model_len}
             return {"object": "list", "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": f"vllm-{self.name}"} for m in self.models
+                {"id": m, "object": "model", "created": 0, "owned_by": f"vllm-{self.name}", **extra}
+                for m in self.models
             ]}
 
         @app.post("/v1/audio/transcriptions")
@@ -130,6 +136,17 @@ class StandInEngine:
                                                "param": None, "code": 500}}, status_code=500)
             if "slow" in prompt:
                 await asyncio.sleep(3)
+            if "hold" in prompt:  # like vLLM's with_cancellation: a client that goes away aborts the request
+                self.holding += 1
+                try:
+                    deadline = time.monotonic() + HOLD_S
+                    while not self.release.is_set() and time.monotonic() < deadline:
+                        if await request.is_disconnected():
+                            self.held_abandoned.set()
+                            return Response(status_code=499)
+                        await asyncio.sleep(0.01)
+                finally:
+                    self.holding -= 1
             images = sum(1 for p in content if p["type"] == "image_url")
             words = f"{self.name} saw {images} images".split()
             if body.get("stream"):
@@ -806,3 +823,311 @@ def test_drain_time_bounds_the_wait(tmp_path) -> None:
     # The stream got its drain time (the gateway cannot have ended it sooner), and no more: the engine would have
     # held it for HOLD_S (30 s); the upper bound leaves a slow machine 9 s to shut down after the drain.
     assert drain_s <= exit_s < drain_s + 9 < HOLD_S, (exit_s, log)
+
+
+# --- staying up under load, bounded parsing and work, fail-closed access ------------------------------------
+def _hold_chat(served: ServedApp, results: list, **kwargs: Any) -> threading.Thread:
+    """A chat the stand-in holds until released (or its client goes), sent from a thread; its answer lands in
+    ``results`` as (response or exception, seconds)."""
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            r = httpx.post(f"{served.url}/v1/chat/completions", **kwargs,
+                           json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="hold"))
+            results.append((r, time.monotonic() - start))
+        except httpx.HTTPError as exc:
+            results.append((exc, time.monotonic() - start))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_admission_limit_429_at_once_then_queue_bound_503() -> None:
+    """One place and one queue place at the vision engine: a third request is refused at once (429, Retry-After,
+    OpenAI's schema) and the queued one is answered 503 when its wait runs out, while the other engine, /health
+    and the probes are untouched. Released, the engine serves again (places given back)."""
+    audio, vision = _engines()
+    served = ServedApp(create_app(_settings(audio, vision, engine_concurrency=1, engine_queue=1, queue_timeout_s=2,
+                                            retry_after_s=3)))
+    first: list = []
+    queued: list = []
+    try:
+        vision.release.clear()
+        t1 = _hold_chat(served, first, timeout=30)
+        wait_for(lambda: vision.holding == 1, 10, "the first chat at the engine")
+        t2 = _hold_chat(served, queued, timeout=30)
+        wait_for(lambda: served.app.state.upstreams.engines["vision"].admission.held == 2, 10, "one queued")
+        r, took = timed("POST", f"{served.url}/v1/chat/completions",
+                        json=image_chat_kwargs([make_image(1)], model=VISION_MODEL))
+        error = assert_openai_error(r, 429, "engine_overloaded", "server_error")
+        assert r.headers["retry-after"] == "3" and "MMCPU_ENGINE_QUEUE" in error["message"]
+        assert took < 1, took  # not queued (the queue wait is 2 s); the bound allows for a busy machine
+        # the other engine, /health and the models are served meanwhile
+        assert client_for(served).audio.transcriptions.create(**transcription_kwargs(SPEECH, model=AUDIO_MODEL)).text
+        r, health_s = timed("GET", f"{served.url}/health")
+        assert r.json()["status"] == "ok" and health_s < 1, (r.text, health_s)
+        t2.join(10)
+        ((r2, waited),) = queued
+        assert_openai_error(r2, 503, "engine_busy", "server_error")
+        assert r2.headers["retry-after"] == "3" and 1.9 < waited < 5, waited
+        assert vision.holding == 1  # the queued request never reached the engine
+        vision.release.set()
+        t1.join(10)
+        assert first[0][0].status_code == 200
+        assert client_for(served).chat.completions.create(**image_chat_kwargs([make_image(1)], model=VISION_MODEL))
+        assert served.app.state.upstreams.engines["vision"].admission.held == 0
+    finally:
+        vision.release.set()
+        served.stop()
+        audio.served.stop()
+        vision.served.stop()
+
+
+def test_client_gone_aborts_non_streamed_request() -> None:
+    """A non-streamed chat whose client hangs up while the engine computes: the gateway closes the engine
+    connection (the engine's handler sees the disconnect and its running count drops), and the place is given
+    back (one place only: the next request is served)."""
+    audio, vision = _engines()
+    served = ServedApp(create_app(_settings(audio, vision, engine_concurrency=1, engine_queue=0)))
+    results: list = []
+    try:
+        vision.release.clear()
+        vision.held_abandoned.clear()
+        _hold_chat(served, results, timeout=httpx.Timeout(10, read=1.0)).join(10)
+        assert isinstance(results[0][0], httpx.ReadTimeout)  # the client gave up and closed its connection
+        assert vision.held_abandoned.wait(5), "the engine kept computing for a client that is gone"
+        wait_for(lambda: vision.holding == 0, 5, "the engine's running count to drop")
+        wait_for(lambda: served.app.state.upstreams.engines["vision"].admission.held == 0, 5, "the place back")
+        vision.release.set()
+        assert client_for(served).chat.completions.create(**image_chat_kwargs([make_image(1)], model=VISION_MODEL))
+    finally:
+        vision.release.set()
+        served.stop()
+        audio.served.stop()
+        vision.served.stop()
+
+
+def test_json_depth_and_size_400_before_parsing(gateway: ServedApp, engines) -> None:
+    audio, vision = engines
+    seen = len(vision.requests)
+    model = json.dumps(VISION_MODEL).encode()
+    bodies = {
+        "json_too_large": b'{"model": ' + model + b', "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "json_too_deep": b'{"model": ' + model + b', "x": ' + b'{"a":' * 2000 + b"1" + b"}" * 2000 + b"}",
+    }
+    big = Settings.model_fields["max_json_items"].default
+    wide = json.dumps({**image_chat_kwargs([make_image(1)], model=VISION_MODEL), "x": [0] * (big + 1)}).encode()
+    keys = json.dumps({**image_chat_kwargs([make_image(1)], model=VISION_MODEL),
+                       **{f"k{i}": 0 for i in range(big)}}).encode()
+    served = ServedApp(create_app(_settings(*engines, max_upload_mb=8)))
+    try:
+        for code, body in [*bodies.items(), ("json_too_large", wide), ("json_too_large", keys)]:
+            r = httpx.post(f"{served.url}/v1/chat/completions", content=body,
+                           headers={"content-type": "application/json"})
+            assert_openai_error(r, 400, code, "invalid_request_error")
+        # brackets, quotes and backslashes inside strings are text, not structure
+        text = '"[[{{' * 200 + '\\\\"' * 100
+        r = httpx.post(f"{served.url}/v1/chat/completions",
+                       json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt=text))
+        assert r.status_code == 200, r.text
+        nested = image_chat_kwargs([make_image(1)], model=VISION_MODEL)
+        nested["x"] = functools.reduce(lambda inner, _: [inner], range(60), 0)  # 61 deep with the top object
+        assert httpx.post(f"{served.url}/v1/chat/completions", json=nested).status_code == 200
+    finally:
+        served.stop()
+    assert len(vision.requests) == seen + 2
+
+
+def test_n_best_of_and_max_tokens_bounded() -> None:
+    """n / best_of over MMCPU_MAX_N, max_tokens / max_completion_tokens over MMCPU_MAX_OUTPUT_TOKENS or over the
+    model length the engine lists: 400 naming the parameter, and nothing reaches the engine."""
+    audio, vision = _engines()
+    vision.max_model_len = 2048
+    served = ServedApp(create_app(_settings(audio, vision, max_n=4)))
+    chat = image_chat_kwargs([make_image(1)], model=VISION_MODEL)
+    try:
+        for extra, param, where in [({"n": 5}, "n", "MMCPU_MAX_N"), ({"best_of": 10_000}, "best_of", "MMCPU_MAX_N"),
+                                    ({"max_tokens": 10**9}, "max_tokens", "model length"),
+                                    ({"max_completion_tokens": 2049}, "max_completion_tokens", "model length")]:
+            r = httpx.post(f"{served.url}/v1/chat/completions", json={**chat, **extra})
+            error = assert_openai_error(r, 400, None, "invalid_request_error")
+            assert error["param"] == param and where in error["message"], error
+        assert vision.requests == []
+        r = httpx.post(f"{served.url}/v1/chat/completions", json={**chat, "n": 4, "max_completion_tokens": 2048})
+        assert r.status_code == 200 and vision.requests[-1]["body"]["n"] == 4
+    finally:
+        served.stop()
+    served = ServedApp(create_app(_settings(audio, vision, max_output_tokens=100)))
+    try:
+        r = httpx.post(f"{served.url}/v1/chat/completions", json={**chat, "max_tokens": 101})
+        error = assert_openai_error(r, 400, None)
+        assert error["param"] == "max_tokens" and "MMCPU_MAX_OUTPUT_TOKENS" in error["message"]
+    finally:
+        served.stop()
+        audio.served.stop()
+        vision.served.stop()
+
+
+def _trickle(url: str, path: str, headers: dict[str, str], body: bytes, head: int, every_s: float,
+             limit_s: float) -> tuple[int | None, float, bytes]:
+    """``body`` announced by Content-Length, its first ``head`` bytes at once, then one byte per ``every_s`` until
+    the server answers (or ``limit_s``): the status, when it came, the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=limit_s) as sock:
+        lines = [f"POST {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}",
+                 *(f"{k}: {v}" for k, v in headers.items())]
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body[:head])
+        sent = head
+        answer = b""
+        while time.monotonic() - start < limit_s:
+            readable, _, _ = select.select([sock], [], [], every_s)
+            if readable:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+                if b"\r\n\r\n" in answer:
+                    break
+            elif sent < len(body):
+                with contextlib.suppress(OSError):
+                    sock.sendall(body[sent:sent + 1])
+                sent += 1
+    status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
+    return status, time.monotonic() - start, answer
+
+
+def test_slow_body_408_and_upload_time_is_not_engine_stall() -> None:
+    """A body that trickles past MMCPU_BODY_TIMEOUT_S is answered 408 (a chat read whole, and an upload already
+    streaming to its engine, whose place is given back); an upload that takes longer than MMCPU_STALL_S but
+    arrives in time is served and its engine is not marked hung."""
+    audio, vision = _engines()
+    served = ServedApp(create_app(_settings(audio, vision, body_timeout_s=1.5, stall_s=1, engine_concurrency=1,
+                                            engine_queue=0)))
+    try:
+        chat = json.dumps(image_chat_kwargs([make_image(1)], model=VISION_MODEL)).encode()
+        status, took, answer = _trickle(served.url, "/v1/chat/completions", {"Content-Type": "application/json"},
+                                        chat, 100, 0.2, 10)
+        assert status == 408 and 1.4 < took < 4, (status, took, answer[-300:])
+        assert b'"request_timeout"' in answer
+        upload = multipart(("model", AUDIO_MODEL, None), ("file", SPEECH, "a.wav"))
+        status, took, answer = _trickle(served.url, "/v1/audio/transcriptions", MULTIPART, upload, 1000, 0.2, 10)
+        assert status == 408 and 1.4 < took < 4, (status, took, answer[-300:])
+        wait_for(lambda: served.app.state.upstreams.engines["audio"].admission.held == 0, 5, "the place back")
+    finally:
+        served.stop()
+    # An upload of ~3 s with the engine's stall bound at 1 s: the wait for the engine starts once the body is sent.
+    served = ServedApp(create_app(_settings(audio, vision, body_timeout_s=20, stall_s=1)))
+    try:
+        upload = multipart(("model", AUDIO_MODEL, None), ("file", SPEECH[:1200], "a.wav"))
+        status, took, answer = _trickle(served.url, "/v1/audio/transcriptions", MULTIPART, upload, len(upload) - 30,
+                                        0.1, 15)
+        assert status == 200, answer[-400:]
+        assert took > 2 and served.app.state.upstreams.engines["audio"].up, (took, answer[-400:])
+    finally:
+        served.stop()
+        audio.served.stop()
+        vision.served.stop()
+
+
+def test_health_says_only_up_or_down_without_the_key(engines) -> None:
+    served = ServedApp(create_app(_settings(*engines, api_key="s3cret")))
+    try:
+        r = httpx.get(f"{served.url}/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        r = httpx.get(f"{served.url}/health", headers={"authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and set(r.json()["engines"]) == {"audio", "vision"}
+        assert r.json()["engines"]["vision"]["url"] == engines[1].url
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize("env, refused", [
+    ({"MMCPU_HOST": "0.0.0.0"}, True),
+    ({"MMCPU_HOST": "0.0.0.0", "MMCPU_API_KEY": ""}, True),
+    ({"MMCPU_HOST": "0.0.0.0", "MMCPU_ALLOW_UNAUTHENTICATED": "true"}, False),
+    ({"MMCPU_HOST": "0.0.0.0", "MMCPU_API_KEY": "k"}, False),
+    ({"MMCPU_HOST": "127.0.0.1"}, False),
+])
+def test_refuses_to_listen_beyond_loopback_without_a_key(env: dict[str, str], refused: bool) -> None:
+    """The real entry point (python -m mmcpu.gateway): refused, it exits at once naming the way out; allowed, it
+    starts serving (stopped after /ping answers)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("MMCPU_")} | env | {
+        "MMCPU_GATEWAY_PORT": str(port), "MMCPU_ENGINES": "audio=http://127.0.0.1:9"}
+    proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=child_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        if refused:
+            out, _ = proc.communicate(timeout=30)
+            assert proc.returncode != 0 and "MMCPU_ALLOW_UNAUTHENTICATED" in out, out
+            return
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/ping", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_engine_token_counters_read_with_prometheus_parser() -> None:
+    """A timestamp after the value, label sets and the OpenMetrics _created sample are not taken for the count."""
+    from mmcpu.health import token_count
+
+    text = (
+        "# TYPE vllm:prompt_tokens_total counter\n"
+        'vllm:prompt_tokens_total{model_name="m",engine="0"} 120.0 1700000000000\n'
+        'vllm:prompt_tokens_total{model_name="m",engine="1"} 5.0\n'
+        'vllm:prompt_tokens_created{model_name="m",engine="0"} 1.7e9\n'
+        "# TYPE vllm:generation_tokens_total counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 30\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 2\n'
+    )
+    assert token_count(text) == 155.0
+
+
+class _OneRefusal(httpx.AsyncBaseTransport):
+    """A replica behind one Service URL that refuses a connection once; the next connections reach a good one."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.refused = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not self.refused:
+            self.refused += 1
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_one_refused_connection_does_not_mark_a_service_down() -> None:
+    """One failed connection costs its request (503) but the probe that follows finds the engine's URL healthy,
+    so the engine stays up and the next request is served; nothing waits for the background re-probe."""
+    audio, vision = _engines()
+    served = ServedApp(create_app(_settings(audio, vision)))
+    try:
+        engine = served.app.state.upstreams.engines["vision"]
+        flaky = _OneRefusal()
+        engine.client = httpx.AsyncClient(transport=flaky, timeout=10)
+        chat = image_chat_kwargs([make_image(1)], model=VISION_MODEL)
+        r = httpx.post(f"{served.url}/v1/chat/completions", json=chat)
+        assert_openai_error(r, 503, "engine_unavailable")
+        assert flaky.refused == 1 and engine.up, engine.error
+        r = httpx.post(f"{served.url}/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+    finally:
+        served.stop()
+        audio.served.stop()
+        vision.served.stop()

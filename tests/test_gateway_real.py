@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -94,3 +100,68 @@ def test_two_audio_engines_routed_by_model(whisper_engine, int8_engine, clips):
         assert [b - a for a, b in zip(before, after, strict=True)] == [sent[e.name] for e in engines]
     finally:
         served.stop()
+
+
+def engine_sample(engine: Engine, name: str) -> float:
+    """A sample of the vLLM engine's own /metrics, summed over its label sets."""
+    text = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def running_requests(engine: Engine) -> float:
+    return engine_sample(engine, "vllm:num_requests_running")
+
+
+def _wait(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+def test_client_disconnect_aborts_the_engine_request(gateway, llava_engine, stream):
+    """A long generation (ignore_eos, most of the model length) whose client hangs up once the engine runs it:
+    the real engine's running count drops, and it generated far fewer tokens than the request asked for (so the
+    drop is the abort, not the end of the generation)."""
+    assert running_requests(llava_engine) == 0
+    max_tokens = 900
+    body = image_chat_kwargs([], model=llava_engine.name, max_tokens=max_tokens, stream=stream, temperature=0.0)
+    generated = engine_sample(llava_engine, "vllm:generation_tokens_total")
+    body["ignore_eos"] = True  # vLLM's extra parameter: the generation runs the whole max_tokens
+    finished = threading.Event()
+
+    def client() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.Client(timeout=httpx.Timeout(60, read=None)) as c:
+                with c.stream("POST", f"{gateway.url}/v1/chat/completions", json=body) as r:
+                    next(r.iter_raw())  # the first event, then hang up
+        finished.set()
+
+    # non-streamed: the answer's headers come only at the end, so the hang-up happens while the gateway waits
+    if stream:
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+    else:
+        thread = threading.Thread(target=_nonstream_hangup, args=(gateway, body, llava_engine, finished),
+                                  daemon=True)
+        thread.start()
+    assert finished.wait(90), "the client did not get to hang up"
+    took = _wait(lambda: running_requests(llava_engine) == 0, 15, "the engine's running count to drop")
+    tokens = engine_sample(llava_engine, "vllm:generation_tokens_total") - generated
+    print(f"\n[{'streamed' if stream else 'non-streamed'}: engine request aborted {took:.2f} s after the hang-up, "
+          f"{tokens:.0f} of {max_tokens} tokens generated]")
+    assert tokens < max_tokens * 0.8, tokens
+    assert llava_engine.alive()
+
+
+def _nonstream_hangup(gateway, body, engine, finished) -> None:
+    """Send a non-streamed chat on a raw connection, wait until the engine runs it, then close the socket."""
+    payload = json.dumps(body).encode()
+    host, port = gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        _wait(lambda: running_requests(engine) == 1, 60, "the request to run")
+    finished.set()

@@ -11,7 +11,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 import uvicorn
 from fastapi import FastAPI
 
@@ -30,12 +29,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # One client (and connection pool) per app. Connecting gets a short timeout so a request for an engine
-        # that is down is answered 503 quickly; a running request may take request_timeout_s between bytes.
-        timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
-        # trust_env=False: engine URLs are internal; an HTTP(S)_PROXY meant for the outside must not catch them.
-        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-            upstreams = app.state.upstreams = Upstreams(settings, client, metrics)
+        # Clients per app: one per engine for requests, one for the probes (Upstreams).
+        async with Upstreams(settings, metrics) as upstreams:
+            app.state.upstreams = upstreams
             # Learn the model lists and re-probe down engines in the background: startup does not wait for them.
             tasks = [asyncio.create_task(upstreams.refresh()), asyncio.create_task(upstreams.watch())]
             try:
@@ -54,13 +50,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(realtime.router)  # WebSocket: its own key check (Bearer or browser subprotocol)
     for router in (proxy.router, models.router):
         app.include_router(router, dependencies=API_DEPENDENCIES)
-    app.add_middleware(GatewayMiddleware, limit_bytes=limit_bytes(settings), metrics=metrics)
+    app.add_middleware(GatewayMiddleware, limit_bytes=limit_bytes(settings), body_timeout_s=settings.body_timeout_s,
+                       metrics=metrics)
     return app
+
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def check_exposure(settings: Settings) -> None:
+    """Fail closed: no listening beyond loopback without a client key, unless MMCPU_ALLOW_UNAUTHENTICATED says so."""
+    key = settings.api_key.get_secret_value() if settings.api_key is not None else ""
+    if not key and settings.host not in LOOPBACK and not settings.allow_unauthenticated:
+        raise SystemExit(
+            f"mmcpu gateway: refusing to listen on {settings.host} without MMCPU_API_KEY: anyone who reaches it "
+            "could use the engines. Set MMCPU_API_KEY, listen on 127.0.0.1 (MMCPU_HOST), or set "
+            "MMCPU_ALLOW_UNAUTHENTICATED=true where only trusted clients reach this address.")
 
 
 def main() -> None:
     settings = get_settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_exposure(settings)
     # access_log off: GatewayMiddleware already writes the one line per request. On SIGTERM uvicorn closes the
     # listening socket (new connections are refused) and gives in-flight requests drain_s to finish.
     uvicorn.run(

@@ -10,10 +10,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("mmcpu.gateway")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited for the engine: nobody is left to answer."""
 
 
 class OpenAIError(Exception):
@@ -53,6 +57,15 @@ class BodyTooLarge(OpenAIError):
         )
 
 
+class BodyTimeout(OpenAIError):
+    def __init__(self, timeout_s: float) -> None:
+        # Connection: close: the rest of the body is not waited for.
+        super().__init__(
+            408, f"The request body did not arrive within {timeout_s:g} s (MMCPU_BODY_TIMEOUT_S).",
+            code="request_timeout", headers={"Connection": "close"},
+        )
+
+
 def engine_unavailable(engine: str, detail: str) -> OpenAIError:
     return OpenAIError(
         503, f"The {engine} engine is unavailable: {detail}", type="server_error", code="engine_unavailable"
@@ -65,6 +78,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        # Nobody reads this (the client disconnected); 499 labels it in the metrics and the log line.
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -3,21 +3,23 @@ the body streams in, records Prometheus metrics and writes one log line per requ
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mmcpu.gateway.errors import BodyTooLarge
+from mmcpu.gateway.errors import BodyTimeout, BodyTooLarge
 from mmcpu.gateway.metrics import Metrics
 
 log = logging.getLogger("mmcpu.gateway")
 
 
 class GatewayMiddleware:
-    def __init__(self, app: ASGIApp, *, limit_bytes: int, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, *, limit_bytes: int, body_timeout_s: float, metrics: Metrics) -> None:
         self.app = app
         self.limit = limit_bytes
+        self.body_timeout_s = body_timeout_s
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -28,16 +30,28 @@ class GatewayMiddleware:
         status: int | None = None
         received = 0
         failure = ""
+        body_done = False
 
         async def limited_receive() -> Message:
             # Content-Length is checked before any engine is called (dependencies.check_content_length);
-            # this catches chunked uploads and bodies longer than they declared.
-            nonlocal received
-            message = await receive()
+            # this catches chunked uploads and bodies longer than they declared. The whole body must arrive by
+            # the deadline: a client trickling bytes (slow-loris) holds no engine place for longer.
+            nonlocal received, body_done
+            if body_done:
+                return await receive()  # only the disconnect is left to come
+            if status is not None:  # the answer already started (an engine that refused an upload early)
+                message = await receive()
+            else:
+                try:
+                    async with asyncio.timeout(start + self.body_timeout_s - time.perf_counter()):
+                        message = await receive()
+                except TimeoutError:
+                    raise BodyTimeout(self.body_timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     raise BodyTooLarge(self.limit)
+                body_done = not message.get("more_body", False)
             return message
 
         async def tracking_send(message: Message) -> None:

@@ -6,17 +6,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from fastapi import Request
-from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 from starlette.responses import StreamingResponse
 
 from mmcpu.config import Settings
-from mmcpu.gateway.errors import BodyTooLarge, OpenAIError, engine_unavailable
+from mmcpu.gateway.errors import ClientGone, OpenAIError, engine_unavailable
 from mmcpu.gateway.metrics import Metrics
 from mmcpu.health import StallDetector, token_count  # progress means the same here as to the health check
 
@@ -45,9 +45,55 @@ class Engine:
     listed_at: float = float("-inf")
     # Hang detection: the request path reports waiting and progress to it, Upstreams.check_stalls asks it.
     stall: StallDetector = field(default_factory=lambda: StallDetector(0))
+    # Requests only (probes have a client of their own): a pool sized to what the engine runs at once, so slow
+    # clients of one engine never take connections another engine's requests or the probes need.
+    client: httpx.AsyncClient | None = None
+    admission: Admission | None = None
 
     def serves(self, model: str) -> bool:
         return any(m.get("id") == model for m in self.models)
+
+
+class Admission:
+    """One engine's places: ``concurrency`` requests in flight, ``queue`` more waiting at most ``timeout_s`` for
+    one. Beyond that a request is refused at once (429), so a burst costs the gateway no memory or time and the
+    client knows to come back."""
+
+    def __init__(self, concurrency: int, queue: int, timeout_s: float, retry_after_s: int) -> None:
+        self.concurrency, self.limit, self.timeout_s = concurrency, concurrency + queue, timeout_s
+        self.retry_after = str(retry_after_s)
+        self.slots = asyncio.Semaphore(concurrency)
+        self.held = 0  # in flight + queued
+
+    async def enter(self, engine: str) -> Callable[[], None]:
+        """A place at the engine (waiting for it in the queue); returns its release, safe to call twice."""
+        if self.held >= self.limit:
+            raise OpenAIError(
+                429, f"The {engine} engine is at its limit of {self.limit} requests in flight and queued "
+                "(MMCPU_ENGINE_CONCURRENCY + MMCPU_ENGINE_QUEUE): retry later", type="server_error",
+                code="engine_overloaded", headers={"Retry-After": self.retry_after})
+        self.held += 1
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.slots.acquire()
+        except TimeoutError:
+            self.held -= 1
+            raise OpenAIError(
+                503, f"The {engine} engine stayed busy: no place within {self.timeout_s:g} s (MMCPU_QUEUE_TIMEOUT_S)",
+                type="server_error", code="engine_busy", headers={"Retry-After": self.retry_after}) from None
+        except BaseException:
+            self.held -= 1
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.held -= 1
+                self.slots.release()
+
+        return release
 
 
 def _reason(exc: BaseException) -> str:
@@ -55,16 +101,37 @@ def _reason(exc: BaseException) -> str:
 
 
 class Upstreams:
-    """One per app: the shared httpx client, the engines (in MMCPU_ENGINES order) and their model lists."""
+    """One per app: the engines (in MMCPU_ENGINES order) with their own request clients and admission limits, the
+    probes' client, and the engines' model lists. ``async with Upstreams(...)`` closes the clients at the end."""
 
-    def __init__(self, settings: Settings, client: httpx.AsyncClient, metrics: Metrics) -> None:
-        self.client = client
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.metrics = metrics
         self.probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.connect_timeout_s)
         self.models_ttl = settings.models_ttl_s
         self.stall_s = settings.stall_s
-        self.engines = {name: Engine(name, url, stall=StallDetector(settings.stall_s))
-                        for name, url in settings.engines.items()}
+        # trust_env=False: engine URLs are internal; an HTTP(S)_PROXY meant for the outside must not catch them.
+        # Probes: a few connections of their own, so /health answers while every request place is taken.
+        self.client = httpx.AsyncClient(timeout=self.probe_timeout, trust_env=False,
+                                        limits=httpx.Limits(max_connections=4 * len(settings.engines) + 4))
+        concurrency = settings.engine_concurrency
+        # Connecting gets a short timeout so a request for an engine that is down is answered 503 quickly; a running
+        # request may take request_timeout_s between bytes. Admission holds at most `concurrency` requests per
+        # engine, so the pool never makes one wait (its timeout is a backstop).
+        timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s,
+                                pool=settings.queue_timeout_s)
+        self.engines = {
+            name: Engine(name, url, stall=StallDetector(settings.stall_s),
+                         client=httpx.AsyncClient(timeout=timeout, trust_env=False, limits=httpx.Limits(
+                             max_connections=concurrency, max_keepalive_connections=concurrency)),
+                         admission=Admission(concurrency, settings.engine_queue, settings.queue_timeout_s,
+                                             settings.retry_after_s))
+            for name, url in settings.engines.items()}
+
+    async def __aenter__(self) -> Upstreams:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.gather(self.client.aclose(), *(e.client.aclose() for e in self.engines.values() if e.client))
 
     # --- state --------------------------------------------------------------------------------------
     def _mark(self, engine: Engine, up: bool, error: str | None = None) -> None:
@@ -116,7 +183,7 @@ class Upstreams:
             r = await self.client.get(f"{engine.url}/metrics", timeout=self.probe_timeout)
             r.raise_for_status()
             return token_count(r.text)
-        except (httpx.HTTPError, ValueError, IndexError):
+        except (httpx.HTTPError, ValueError, IndexError, TypeError):
             return None
 
     async def check_stalls(self) -> None:
@@ -193,6 +260,14 @@ class Upstreams:
             )
         raise OpenAIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
 
+    def max_model_len(self, engine: Engine, model: str) -> int | None:
+        """The model length the engine's /v1/models gives for ``model`` (vLLM's ``max_model_len``), if any."""
+        for entry in engine.models:
+            if entry.get("id") == model:
+                value = entry.get("max_model_len")
+                return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+        return None
+
     # --- proxy --------------------------------------------------------------------------------------
     async def forward(
         self,
@@ -201,46 +276,76 @@ class Upstreams:
         content: bytes | AsyncIterable[bytes],
         default_content_type: str = "application/octet-stream",
     ) -> StreamingResponse:
-        """Send the request to the engine and stream its answer back as it arrives (status and body as is)."""
+        """Send the request to the engine and stream its answer back as it arrives (status and body as is). It
+        needs a place at the engine first (:class:`Admission`: 429 when full, 503 when the wait is too long); the
+        place is held until the answer's last byte or the client is gone."""
         request.state.engine = engine.name
+        assert engine.admission is not None and engine.client is not None
+        release = await engine.admission.enter(engine.name)
+        try:
+            return await self._forward(engine, request, content, default_content_type, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _forward(
+        self, engine: Engine, request: Request, content: bytes | AsyncIterable[bytes], default_content_type: str,
+        release: Callable[[], None],
+    ) -> StreamingResponse:
+        assert engine.client is not None
         headers = {
             "content-type": request.headers.get("content-type") or default_content_type,
             "accept": request.headers.get("accept", "*/*"),
             # Bytes go back to the client untouched, so ask the engine not to compress them.
             "accept-encoding": "identity",
         }
-        if not isinstance(content, bytes) and "content-length" in request.headers:
-            headers["content-length"] = request.headers["content-length"]  # else httpx sends it chunked
-        upstream = self.client.build_request(
+        # The stall clock runs only once the whole body is with the engine: a client's slow upload is not the
+        # engine's stall (and the body deadline, MMCPU_BODY_TIMEOUT_S, bounds the upload).
+        sent = asyncio.Event()
+        if isinstance(content, bytes):
+            sent.set()
+        else:
+            content = _until_sent(content, sent)
+            if "content-length" in request.headers:
+                headers["content-length"] = request.headers["content-length"]  # else httpx sends it chunked
+        upstream = engine.client.build_request(
             request.method, engine.url + request.url.path, params=request.query_params, headers=headers,
             content=content,
         )
-        with engine.stall.waiting():  # for the response's headers (a hung engine never sends them)
-            response = await self._send_unless_hung(engine, upstream)
+        response = await self._send_unless_hung(engine, upstream, sent, request)
         engine.stall.progressed()
-        return self._respond(engine, response)
+        return self._respond(engine, response, release)
 
-    async def _send_unless_hung(self, engine: Engine, upstream: httpx.Request) -> httpx.Response:
-        """client.send, given up (503) as soon as the engine is marked hung."""
-        send = asyncio.ensure_future(self.client.send(upstream, stream=True))
-        hung = asyncio.ensure_future(engine.stall.hung.wait())
+    async def _send_unless_hung(self, engine: Engine, upstream: httpx.Request, sent: asyncio.Event,
+                                request: Request) -> httpx.Response:
+        """client.send, given up as soon as the engine is marked hung (503) or the client goes away (the engine's
+        connection is closed, so vLLM aborts the request: a non-streamed answer is not computed for nobody)."""
+        assert engine.client is not None
+        send = asyncio.ensure_future(engine.client.send(upstream, stream=True))
+        watch = asyncio.ensure_future(self._watch(engine, sent, request))
         try:
-            await asyncio.wait({send, hung}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({send, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            hung.cancel()
+            watch.cancel()
             if not send.done():
                 send.cancel()
                 with contextlib.suppress(BaseException):
                     await send
+            with contextlib.suppress(BaseException):
+                await watch
         if send.cancelled():
+            if not watch.cancelled() and watch.exception() is None and watch.result() == "gone":
+                raise ClientGone()
             raise engine_unavailable(engine.name, engine.error or "hung")
         try:
             response = send.result()
-        except BodyTooLarge:
+        except OpenAIError:  # the body's limits (413, 408) while it streamed to the engine
             raise
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self._upstream_error(engine, "connect", exc)
-            self._mark(engine, False, _reason(exc))
+            # One failed connection does not mark the engine down: behind one URL (a Kubernetes Service) other
+            # replicas may serve. A probe decides (it fails at once when the one process is gone).
+            await self.probe(engine)
             raise engine_unavailable(engine.name, _reason(exc)) from exc
         except httpx.TimeoutException as exc:
             self._upstream_error(engine, "timeout", exc)
@@ -255,17 +360,44 @@ class Upstreams:
             ) from exc
         return response
 
-    def _respond(self, engine: Engine, response: httpx.Response) -> StreamingResponse:
+    async def _watch(self, engine: Engine, sent: asyncio.Event, request: Request) -> str:
+        """Ends with "hung" when the engine is marked hung, "gone" when the client disconnects; counts the wait for
+        the engine's answer as stall time only once the body is sent."""
+        hung = asyncio.ensure_future(engine.stall.hung.wait())
+        body_sent = asyncio.ensure_future(sent.wait())
+        try:
+            await asyncio.wait({hung, body_sent}, return_when=asyncio.FIRST_COMPLETED)
+            if hung.done():
+                return "hung"
+            with engine.stall.waiting():  # for the response's headers (a hung engine never sends them)
+                # The body is read whole, so the next message the server has for this request is its disconnect.
+                gone = asyncio.ensure_future(request.receive())
+                try:
+                    await asyncio.wait({hung, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gone.cancel()
+                if hung.done():
+                    return "hung"
+                if gone.done() and not gone.cancelled() and gone.exception() is None and \
+                        gone.result().get("type") == "http.disconnect":
+                    return "gone"
+                await hung  # any other message: only a hang ends the wait now
+                return "hung"
+        finally:
+            hung.cancel()
+            body_sent.cancel()
+
+    def _respond(self, engine: Engine, response: httpx.Response, release: Callable[[], None]) -> StreamingResponse:
         self._mark(engine, True)
         if response.status_code >= 500:
             self.metrics.upstream_errors.labels(engine.name, "http_5xx").inc()
         passed = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
-        return StreamingResponse(
-            self._relay(engine, response), status_code=response.status_code, headers=passed,
-            background=BackgroundTask(response.aclose),
-        )
 
-    async def _relay(self, engine: Engine, response: httpx.Response) -> AsyncIterator[bytes]:
+        return _EngineResponse(self._relay(engine, response, release), status_code=response.status_code,
+                               headers=passed, upstream=response, release=release)
+
+    async def _relay(self, engine: Engine, response: httpx.Response, release: Callable[[], None]
+                     ) -> AsyncIterator[bytes]:
         # aiter_raw yields each chunk as it comes off the socket: SSE events are not held back.
         try:
             async for chunk in response.aiter_raw():
@@ -276,8 +408,32 @@ class Upstreams:
             self._upstream_error(engine, "broken_stream", exc)
             raise
         finally:
+            release()
             await response.aclose()
 
     def _upstream_error(self, engine: Engine, kind: str, exc: BaseException) -> None:
         self.metrics.upstream_errors.labels(engine.name, kind).inc()
         log.warning("engine %s %s error: %s", engine.name, kind, _reason(exc))
+
+
+async def _until_sent(content: AsyncIterable[bytes], sent: asyncio.Event) -> AsyncIterator[bytes]:
+    async for chunk in content:
+        yield chunk
+    sent.set()
+
+
+class _EngineResponse(StreamingResponse):
+    """The engine's answer streamed on; however it ends (done, client gone, cancelled, never iterated), the engine
+    place is given back and the engine connection closed."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, status_code: int, headers: dict[str, str],
+                 upstream: httpx.Response, release: Callable[[], None]) -> None:
+        super().__init__(content, status_code=status_code, headers=headers)
+        self.upstream, self.release = upstream, release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+            await self.upstream.aclose()

@@ -63,7 +63,7 @@ async def transcribe(upstreams: Upstreams, model: str, audio: np.ndarray, *, lan
         data["prompt"] = prompt
     files = {"file": ("audio.wav", wav_bytes(audio), "audio/wav")}
     try:
-        response = await upstreams.client.post(engine.url + PATH, data=data, files=files)
+        response = await engine.client.post(engine.url + PATH, data=data, files=files)  # the engine's own pool
     except httpx.HTTPError as exc:
         raise EngineError(f"The {engine.name} engine failed: {type(exc).__name__}: {exc}",
                           code="engine_error") from None
