@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from mmcpu.config import get_settings
-from mmcpu_dev.bench.results import Results, best_of, figure_value, meets
+from mmcpu_dev.bench.results import Results, RoundRecord, best_of, figure_value, meets
+from mmcpu_dev.bench.runners import USE_MIN
 from mmcpu_dev.bench.stats import LevelStats, ratio
 
 
@@ -68,6 +69,15 @@ def method(r: Results) -> list[str]:
         "temperature 0." + (f" Mixed load: {plan.mixed} requests, {plan.mixed_audio_share:.0%} transcriptions, the "
                             "rest chats of which half use temperature 0.8 / top_p 0.9 / a seed, through the gateway "
                             f"with ours' two engines up, {plan.mixed_concurrency} in flight." if plan.mixed else ""),
+        ("Ours is measured twice in its phase: as a bare engine, and as `make up` serves it (the gateway in front, "
+         "the vision engine started beside it), its peers interleaved again; the headline's ratios are the "
+         "latter's.") if plan.stack else "",
+        "Every round records the CPU time of the measured system's own processes over the round (vLLM: the "
+        "engine's process tree, through the stack also the gateway and the vision engine; a peer: its process) / the "
+        f"round's wall: the cores it kept busy. A peer's round at a layout of several replicas that kept fewer than "
+        f"{USE_MIN:.0%} of the cores it can use (min(num_workers, c) × cpu_threads, at most the CPUs) fails the run: "
+        "its replicas did not run in parallel (OpenVINO GenAI pipelines pinned onto one core did that: pinning is off"
+        " for several replicas).",
         "Every round records the 1-minute load average at its start and the cores used by processes outside the "
         f"benchmark's tree during it; more than {r.meta.foreign_cores_limit} foreign cores flags it. Flagged: "
         f"{len(flagged)} of {len(r.rounds)}" + (": " + ", ".join(f"{x.kind} {x.system} c={x.concurrency} "
@@ -84,6 +94,15 @@ def method(r: Results) -> list[str]:
         "(25 Hz, --nonblocking) on ours' worker during its first round at the lowest and highest level and its "
         "first vision round. No timing is asserted anywhere (tests/test_bench_stats.py checks the arithmetic).",
     ]  # fmt: skip
+
+
+def own_cores(x: RoundRecord) -> str:
+    """A round's cpu / wall of the measured system's processes, with a peer's layout and the cores it can use."""
+    if x.cores is None:
+        return ""
+    if not x.layout:
+        return f"{x.cores:.2f}"
+    return f"{x.cores:.2f} of {x.layout_cores} ({x.layout}){', **underused**' if x.underused else ''}"
 
 
 PEER_BUILD = {  # how each peer's weights are made (mmcpu_dev/bench/peers.py), for the report
@@ -188,7 +207,10 @@ def render(r: Results) -> str:
 
     w("## Headline (`headline` in results.json)\n")
     w("Throughput and rps ratios: > 1 means the first system is faster; `p50_...`: < 1 means it is faster. "
-      f"`audio_default` = {label.get(plan.ours, plan.ours)}; `fw_int8` = {label.get(plan.peer, plan.peer)}, at its "
+      + (f"`audio_default` = {label.get(plan.stack, plan.stack)} (the targets are its); `bare_audio_default` = "
+         f"the same engine measured alone, without the gateway; " if plan.stack else
+         f"`audio_default` = {label.get(plan.ours, plan.ours)}; ")
+      + f"`fw_int8` = {label.get(plan.peer, plan.peer)}, at its "
       "best configuration per level, from the rounds of the same phase; `openvino_best` / `whispercpp_best` = the "
       "best of that peer's weight formats at that level (named in the last column), from the same phase"
       + (f"; `v{(plan.default_line or '').replace('.', '')[:3]}/v{(plan.proof_line or '').replace('.', '')[:3]}_*`"
@@ -247,11 +269,15 @@ def render(r: Results) -> str:
     if r.fw_search:
         w("## The peers' best configuration per level\n")
         w("Throughput (audio-s/s) of each `cpu_threads × num_workers` (faster-whisper: `AVX512` = with "
-          "CT2_FORCE_CPU_ISA=AVX512) on the search subset; the winner (bold) is used for that level's measured "
-          "rounds.\n")
+          "CT2_FORCE_CPU_ISA=AVX512) on the search subset, with the cores the peer's process kept busy (its CPU time "
+          "/ the round's wall; a layout that kept fewer than "
+          f"{USE_MIN:.0%} of the cores it can use is **underused**); the winner (bold) is used for that level's "
+          "measured rounds.\n")
         rows = {}
         for x in r.fw_search:
             cell = f"{x.cpu_threads}×{x.num_workers}{' ' + x.isa if x.isa else ''}: {fmt(x.throughput)}"
+            if x.cores is not None:
+                cell += f" ({x.cores:.2f} cores{', **underused**' if x.underused else ''})"
             rows.setdefault((x.system, x.concurrency), []).append(f"**{cell}**" if x.chosen else cell)
         out += table(("system", "c", "configurations"), [(label[k], c, ", ".join(v)) for (k, c), v in rows.items()])
 
@@ -334,11 +360,13 @@ def render(r: Results) -> str:
 
     if r.rounds:
         w("## Rounds and load\n")
-        out += table(("kind", "phase", "system", "c", "audio-s/s / rps", "load 1m", "foreign cores", "flagged"),
+        out += table(("kind", "phase", "system", "c", "audio-s/s / rps", "own cores (layout)", "load 1m",
+                      "foreign cores", "flagged"),
                      [(x.kind, x.phase, x.system, x.concurrency, fmt(x.rps if x.kind == "vision" else x.throughput),
-                       x.loadavg_1m, x.foreign_cores, "**yes**" if x.flagged else "") for x in r.rounds])
+                       own_cores(x), x.loadavg_1m, x.foreign_cores, "**yes**" if x.flagged else "")
+                      for x in r.rounds])  # fmt: skip
     w("## Method and caveats\n")
-    out += [f"- {m}" for m in method(r)]
+    out += [f"- {m}" for m in method(r) if m]
     if meta.failed:
         out += ["", "Failures in this run:", *(f"- {f}" for f in meta.failed)]
     return "\n".join(out) + "\n"
