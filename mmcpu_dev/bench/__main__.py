@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {bench_python} missing (run `make bench-venv`)", file=sys.stderr)
         return 2
     args.no_compose = args.no_compose or args.mode in ("quick", "lines")
-    return run.write(run.Bench(plan, args).run(), out, bench_python)
+    bench = run.Bench(plan, args)
+    bench.results.meta.command = " ".join(["python -m mmcpu_dev.bench", *argv])
+    return run.write(bench.run(), out, bench_python, record=args.mode == "full")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ class Meta(BaseModel):
     versions: dict[str, str] = {}
     foreign_cores_limit: float
     engine_args: str = ""
+    command: str = ""  # the command line of the run
     failed: list[str] = []
 
 

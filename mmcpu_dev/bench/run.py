@@ -552,16 +552,21 @@ def line_versions(python: Path) -> dict[str, str]:
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else {}
 
 
-def write(results: Results, out_dir: Path, bench_python: Path) -> int:
-    """results.json, the plot (bench venv) and benchmarks.md (docs/bench/analysis.md appended) under out_dir."""
+def write(results: Results, out_dir: Path, bench_python: Path, record: bool = False) -> int:
+    """results.json, the plot (bench venv) and benchmarks.md (docs/bench/analysis.md appended) under out_dir;
+    ``record`` (a full run): its CPU's entry of the runs on record (bench/cpus.json) replaced by this run's."""
+    from mmcpu_dev.bench import record as records
+
     (out_dir / "bench").mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "bench" / "results.json"
     json_path.write_text(results.model_dump_json(indent=2) + "\n")
+    cpus = out_dir / "bench" / "cpus.json"
+    runs = records.update(cpus, results) if record else records.load(cpus)
     png = out_dir / "bench" / "throughput.png"
     plot = subprocess.run([str(bench_python), "-P", str(PEER), "plot", "--json", str(json_path), "--out", str(png)])
     analysis = REPO_ROOT / "docs" / "bench" / "analysis.md"
     extra = "\n" + analysis.read_text() if analysis.is_file() else ""
-    (out_dir / "benchmarks.md").write_text(report.render(results) + extra)
+    (out_dir / "benchmarks.md").write_text(report.render(results, runs) + extra)
     log(f"wrote {out_dir / 'benchmarks.md'}, {json_path}, {png}")
     for f in results.meta.failed:
         print(f"error: {f}", file=sys.stderr)
