@@ -1,10 +1,12 @@
 """Carry a plan out: full / quick (measure, then write the report) and latency (print MRV2 vs V1 per request).
 
-Everything runs on 127.0.0.1, one vLLM engine at a time (each system alone; the mixed load alone runs ours' two
-engines behind the gateway). faster-whisper first searches its best (cpu_threads, num_workers) per level with no
-engine up, then its rounds are interleaved with each vLLM system's in that system's phase, so a change in the
-machine's load hits both; every round records the load and the cores other processes used. Nothing is asserted
-about speed: the exit code is 1 only when a system could not be measured or the mixed load had failures.
+Everything runs on 127.0.0.1, one vLLM engine at a time (each system alone; ours is measured again, and the mixed
+load runs, with ours' two engines behind the gateway, as `make up` serves them). The peers first search their best
+(cpu_threads, num_workers) per level with no engine up, then their rounds are interleaved with each vLLM system's in
+that system's phase, so a change in the machine's load hits both; every round records the load, the cores other
+processes used and the cores the measured system's own processes kept busy. Nothing is asserted about speed: the
+exit code is 1 only when a system could not be measured, the mixed load had failures or a peer's replicas did not
+run in parallel.
 """
 
 from __future__ import annotations
