@@ -17,8 +17,8 @@ from mmcpu_dev.bench.results import Results
 # pinning off for several replicas): its best at a level where a layout of several replicas was tried (c > 1) is
 # understated, so ours' ratio against it is overstated.
 PINNED_OV = re.compile(r"openvino_best@c=(\d+)$")
-PINNED_WHY = ("OpenVINO GenAI's replicas ran pinned in this run (two pinned 1-thread replicas were measured no faster "
-              "than one); its best may be understated, the ratio overstated")
+PINNED_WHY = ("OpenVINO GenAI's replicas ran pinned in this run (on the AMD EPYC Zen 5, two pinned 1-thread replicas "
+              "were measured no faster than one); its best may be understated, the ratio overstated")
 
 
 class CpuRun(BaseModel):
