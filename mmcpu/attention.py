@@ -48,6 +48,8 @@ PREFERENCE = {
 MIN_WORK = 64 * 64
 CPU_ATTN_BLOCK = 128  # scratch cache block size for cpu_attn (a multiple of 32: the amx and vec ISAs need it)
 CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPUAttentionBackend
+EXTEND_HEAD_SIZE_MULTIPLE = 32  # extend_attention_cpu transposes by 512 bits: "invalid head_size" otherwise
+EXTEND_ISA = "avx512_bf16"  # the CPU flag of the _C build that has extend_attention_cpu (AVX-512 BF16, AMX)
 
 
 def _c_op(name: str):
@@ -215,14 +217,26 @@ _choice: dict[tuple, str] = {}
 _broken: dict[tuple, str] = {}
 
 
-def self_check(impl: str, dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int) -> str | None:
-    """None if ``impl`` matches the float32 reference on a small varlen case of this key, else why not."""
+def unsupported(impl: str, dtype: torch.dtype, head_size: int) -> str | None:
+    """Why ``impl`` does not apply to this key at all (its op is not in the loaded build, or the kernel does not
+    take this dtype or head size), None if it does: a limit, not a failure."""
     if not has_impl(impl):
-        return "not in this vLLM build"
+        return "not in this vLLM build" + (f" (only in the build for CPUs with {EXTEND_ISA})" if impl == "extend"
+                                           else "")
     if impl == "cpu_attn" and head_size not in CPU_ATTN_HEAD_SIZES:
         return f"head size {head_size} not supported"
     if impl == "extend" and dtype not in (torch.bfloat16, torch.float16):
         return f"{dtype} not supported"
+    if impl == "extend" and head_size % EXTEND_HEAD_SIZE_MULTIPLE:
+        return f"head size {head_size} not supported (a multiple of {EXTEND_HEAD_SIZE_MULTIPLE} only)"
+    return None
+
+
+def self_check(impl: str, dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """None if ``impl`` matches the float32 reference on a small varlen case of this key, else why not (first
+    :func:`unsupported`'s reasons, then wrong numbers or an error of the kernel on this CPU)."""
+    if why := unsupported(impl, dtype, head_size):
+        return why
     gen = torch.Generator().manual_seed(0)
     s = 97
     q = torch.randn((2, s, num_heads, head_size), generator=gen).to(dtype)

@@ -241,6 +241,8 @@ def test_peer_reads_the_workloads_wavs_as_float32(tmp_path):
 class _FakePeer:
     """A peer process stand-in: answers rounds, or dies as a crashing peer does (runners.Peer's RuntimeError)."""
 
+    pid = None  # no process: no CPU time to record
+
     def __init__(self, crash_at: int | None = None) -> None:
         self.crash_at, self.stopped = crash_at, False
 

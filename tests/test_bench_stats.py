@@ -24,6 +24,9 @@ ISSUE_17_KEYS = {
 }  # fmt: skip
 PEER_KEYS = {f"audio_default/{peer}_best@c={c}" for peer in ("openvino", "whispercpp") for c in (1, 4, 8, 16)} | {
     "p50_audio_default/openvino_best@c=1", "p50_audio_default/whispercpp_best@c=1"}  # fmt: skip
+# ours as a bare engine beside ours through the stack (the headline's audio_default figures)
+BARE_KEYS = {k.replace("audio_default/", "bare_audio_default/") for k in ISSUE_17_KEYS | PEER_KEYS
+             if "audio_default/" in k}  # fmt: skip
 STARTUP_KEYS = {"engine_ready_cold_s", "engine_ready_warm_s", "compose_up_to_serving_s", "engine_peak_rss_gib"}
 
 
@@ -184,7 +187,18 @@ def _f32_plan(tmp_path: Path) -> plans.Plan:
 
 def test_headline_keys_are_issue_17s_and_follow_the_plan(tmp_path):
     plan = _plan(tmp_path)
-    assert {f.key for f in plan.figures()} == ISSUE_17_KEYS | PEER_KEYS
+    assert {f.key for f in plan.figures()} == ISSUE_17_KEYS | PEER_KEYS | BARE_KEYS
+    # the targets are the stack's; the bare engine's figures are reported beside them, without one
+    for f in plan.figures():
+        if f.key.startswith(("audio_default/", "p50_audio_default/")):
+            assert f.a == plan.stack == "audio_stack"
+        if "bare_audio_default/" in f.key:
+            assert f.a == plan.ours and f.target is None
+    stack = plan.system(plan.stack)
+    assert stack.via == "stack" and stack.of == plan.ours and stack.peers == plan.system(plan.ours).peers
+    assert stack not in plan.audio_phases()  # it runs in ours' phase, not as an engine of its own
+    alone = plans.build("full", Settings(models_dir=tmp_path), variants=[], lines=False, stack=False)
+    assert alone.stack is None and {f.key for f in alone.figures()} == ISSUE_17_KEYS | PEER_KEYS
     ours, v1 = plan.system(plan.ours), plan.system(plan.v1)
     model, _, argv = plans.role_engine("audio", Settings(models_dir=tmp_path))  # what the launcher runs
     assert ours.ours and ours.model == model and v1.model == model and v1.vllm_args == ours.vllm_args
@@ -228,6 +242,9 @@ def _results(plan: plans.Plan) -> Results:
                               "ov_int8": {c: _stats(c, 16.0, 0.8) for c in levels},
                               "wcpp_f16": {c: _stats(c, 4.0, 2.0) for c in levels},
                               "wcpp_q8_0": {c: _stats(c, 5.0, 1.0) for c in levels}}}  # fmt: skip
+    if plan.stack:  # through the stack: ours 10 % slower, the peers as in the bare phase
+        res.paired[plan.stack] = {who: dict(per) for who, per in res.paired[plan.ours].items() if who != plan.ours}
+        res.paired[plan.stack][plan.stack] = {c: _stats(c, 18.0 * c, 0.6) for c in levels}
     res.systems[plan.vision_ours].vision = {c: _stats(c, 0, rps=30.0) for c in plan.vision_levels}
     res.systems[plan.vision_v1].vision = {c: _stats(c, 0, rps=20.0) for c in plan.vision_levels}
     ours.wer, fw.wer = 0.2, 0.25
@@ -239,13 +256,18 @@ def _results(plan: plans.Plan) -> Results:
 def test_headline_from_a_typed_result(tmp_path):
     res = _results(_f32_plan(tmp_path))
     head = res.headline
-    assert set(head) == ISSUE_17_KEYS | PEER_KEYS | STARTUP_KEYS - {"engine_ready_warm_s", "compose_up_to_serving_s"}
-    assert head["audio_default/openvino_best@c=1"] == pytest.approx(20 / 16)  # against the faster OpenVINO
-    assert head["p50_audio_default/openvino_best@c=1"] == pytest.approx(0.5 / 0.4)  # against the lower p50
-    assert head["audio_default/whispercpp_best@c=4"] == pytest.approx(80 / 5)
-    assert head["audio_default/fw_int8@c=1"] == pytest.approx(2.0)  # 20 / 10 in the same phase, not 20 / 5
-    assert head["audio_default/fw_int8@c=16"] == pytest.approx(32.0)
-    assert head["p50_audio_default/fw_int8@c=1"] == pytest.approx(0.5)
+    assert set(head) == (ISSUE_17_KEYS | PEER_KEYS | BARE_KEYS | STARTUP_KEYS) - {"engine_ready_warm_s",
+                                                                                 "compose_up_to_serving_s"}
+    # the headline is ours through the stack; the bare engine's figures are beside it
+    assert head["audio_default/openvino_best@c=1"] == pytest.approx(18 / 16)  # against the faster OpenVINO
+    assert head["bare_audio_default/openvino_best@c=1"] == pytest.approx(20 / 16)
+    assert head["p50_audio_default/openvino_best@c=1"] == pytest.approx(0.6 / 0.4)  # against the lower p50
+    assert head["p50_bare_audio_default/openvino_best@c=1"] == pytest.approx(0.5 / 0.4)
+    assert head["audio_default/whispercpp_best@c=4"] == pytest.approx(72 / 5)
+    assert head["audio_default/fw_int8@c=1"] == pytest.approx(1.8)  # 18 / 10 in the same phase, not 18 / 5
+    assert head["bare_audio_default/fw_int8@c=1"] == pytest.approx(2.0)
+    assert head["audio_default/fw_int8@c=16"] == pytest.approx(28.8)
+    assert head["p50_audio_default/fw_int8@c=1"] == pytest.approx(0.6)
     assert head["mrv2/v1@c=8"] == pytest.approx(2.0)
     assert head["vision_mrv2/v1@c=4"] == pytest.approx(1.5)
     assert head["wer_audio_default"] == head["wer_float32"] == 0.2 and head["wer_fw_int8"] == 0.25
@@ -255,7 +277,7 @@ def test_headline_from_a_typed_result(tmp_path):
     res.attention = {"whisper-tiny.en": {"auto": 410.0}, "gemm_bf16": 820.0, "ratio": 0.5}
     assert headline(res)["encoder_attention/gemm_bf16"] == 0.5
     res.attention = {}
-    del res.paired[res.plan.ours]
+    del res.paired[res.plan.stack]
     res.headline = headline(res)
     assert "audio_default/fw_int8@c=1" not in res.headline  # not measured: left out, not invented
     assert "audio_default/fw_int8@c=1" in missing(res)
@@ -267,7 +289,8 @@ def test_results_round_trip_through_json_and_the_report_leads_with_the_cpu(tmp_p
     assert again == res and again.systems[res.plan.ours].audio[16].throughput == 320.0
     md = report.render(res)
     assert md.splitlines()[2].startswith("**CPU: Test CPU 9000**") and "`avx2`" in md.splitlines()[2]
-    assert "| `audio_default/fw_int8@c=8` | 16× | >= 2.5 | yes |" in md
+    assert "| `audio_default/fw_int8@c=8` | 14.4× | >= 2.5 | yes |" in md  # through the stack
+    assert "| `bare_audio_default/fw_int8@c=8` | 16× |  |  |" in md
     assert "| `mrv2/v1@c=1` | 2× | >= 1.05 | yes |" in md
     assert "| `wer_fw_int8` | 0.250 |" in md
     assert "**(ours)**" in md

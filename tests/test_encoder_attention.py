@@ -11,6 +11,7 @@ adds - P before P @ V and the output; float32: summation order only). Against th
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import textwrap
@@ -19,10 +20,38 @@ import pytest
 import torch
 
 from mmcpu import attention as A
+from mmcpu import cpu
 from mmcpu.config import REPO_ROOT
 
-KERNELS = [i for i in ("extend", "cpu_attn") if A.has_impl(i)]
+KERNELS = ("extend", "cpu_attn")  # vLLM's _C kernels; each is checked on this CPU or skipped naming what it lacks
 DTYPES = (torch.float32, torch.bfloat16)
+CPU = cpu.current()
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+def lacking_isa(impl: str) -> str | None:
+    """The CPU feature this CPU lacks for ``impl``'s op, None if it has it: extend is only in the _C build vLLM
+    loads on CPUs with avx512_bf16; cpu_attn is in every x86 build."""
+    if not X86:
+        return f"{impl}: vLLM's x86 _C kernel; this CPU is {platform.machine()}"
+    if impl == "extend" and A.EXTEND_ISA not in CPU.flags:
+        return f"extend: needs {A.EXTEND_ISA} (vLLM's _C for AVX-512 BF16 and AMX CPUs); this CPU: {CPU.line()}"
+    return None
+
+
+def kernel_here(impl: str, dtype: torch.dtype, d: int, h: int, hkv: int) -> None:
+    """A kernel that fails its self-check on this CPU fails the test with the reason; a CPU without the ISA, or a
+    dtype / head size the kernel does not take, skips it, naming which."""
+    if why := lacking_isa(impl):
+        pytest.skip(why)
+    if not A.has_impl(impl):
+        pytest.fail(f"{impl}: this CPU has what it needs ({CPU.line()}) but the _C vLLM loaded "
+                    f"({cpu.loaded_vllm_c()}) has no such op")
+    if why := A.unsupported(impl, dtype, d):
+        pytest.skip(f"{impl}: {why}")
+    if why := A.self_check(impl, dtype, d, h, hkv):
+        pytest.fail(f"{impl} fails its self-check on this CPU ({CPU.line()}), {dtype}, head size {d}, {h}/{hkv} "
+                    f"heads: {why}")
 
 
 def qkv_views(b, s, h, hkv, d, dtype, gen):
@@ -62,10 +91,8 @@ CASES = list(cases(6))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-s{}-h{}/{}-d{}{}".format(*c[:5], "-varlen" if c[5] else ""))
 def test_matches_the_shipped_path(case, impl, dtype):
     b, s, h, hkv, d, varlen = case
-    if impl == "extend" and (dtype == torch.float32 or A.self_check("extend", dtype, d, h, hkv)):
-        pytest.skip("extend: bf16/fp16 only, and not for this head size here")
-    if impl == "cpu_attn" and d not in A.CPU_ATTN_HEAD_SIZES:
-        pytest.skip("head size")
+    if impl in KERNELS:
+        kernel_here(impl, dtype, d, h, hkv)
     gen = torch.Generator().manual_seed(hash(case) % 2**31)
     q, k, v = qkv_views(b, s, h, hkv, d, dtype, gen)
     cu = random_cu(s, gen, pad=int(torch.randint(0, 3, (1,), generator=gen))) if varlen else None
@@ -95,20 +122,41 @@ def test_segments_skip_empty_and_offset_batch_rows():
 
 def test_choice_falls_back_when_a_kernel_fails_its_self_check(monkeypatch):
     """A kernel that returns wrong numbers on this CPU is never used: the next one in PREFERENCE is."""
+    here = [i for i in KERNELS if A.has_impl(i)]
+    if not here:
+        pytest.skip(lacking_isa("cpu_attn") or "no vLLM _C attention kernel loaded")
     monkeypatch.setattr(A, "_choice", {})
-    broken = {i: (lambda q, *a, **kw: torch.zeros_like(q)) for i in KERNELS}
+    broken = {i: (lambda q, *a, **kw: torch.zeros_like(q)) for i in here}
     monkeypatch.setattr(A, "_FUNCS", {**A._FUNCS, **broken})
-    for impl in KERNELS:
+    for impl in here:
         assert A.self_check(impl, torch.bfloat16, 64, 6, 6).startswith("max abs error")
     assert A.choose(torch.bfloat16, 64, 6, 6) == "sdpa"
 
 
-def test_the_choice_here_is_a_kernel():
-    """On an x86 CPU vLLM's _C has at least the paged kernel, which passes its self-check for both dtypes."""
-    if not KERNELS:
-        pytest.skip("no vLLM _C attention kernels in this build")
-    assert A.choose(torch.float32, 64, 6, 6) == "cpu_attn"
-    assert A.choose(torch.bfloat16, 64, 6, 6) in KERNELS
+def test_a_kernel_failing_its_self_check_fails_the_test_with_the_reason(monkeypatch):
+    """kernel_here: wrong numbers from a kernel this CPU runs are a failure naming the error, not a skip."""
+    if lacking_isa("cpu_attn") or not A.has_impl("cpu_attn"):
+        pytest.skip(lacking_isa("cpu_attn") or "no cpu_attn here")
+    monkeypatch.setattr(A, "_FUNCS", {**A._FUNCS, "cpu_attn": lambda q, *a, **kw: torch.zeros_like(q)})
+    with pytest.raises(pytest.fail.Exception, match=r"cpu_attn fails its self-check on this CPU .*max abs error"):
+        kernel_here("cpu_attn", torch.bfloat16, 64, 6, 6)
+    with pytest.raises(pytest.skip.Exception, match="head size 48 not supported"):
+        kernel_here("cpu_attn", torch.bfloat16, 48, 6, 6)  # the kernel's limit: a skip naming it
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_choice_here_is_the_first_kernel_that_applies(dtype):
+    """On an x86 CPU the choice is extend where it applies (bf16 on a CPU with avx512_bf16), else the paged
+    kernel: a preferred kernel that fails its self-check here fails this test with its reason, not a fallback."""
+    for impl in A.PREFERENCE[dtype]:
+        if impl == "sdpa":
+            break
+        if lacking_isa(impl) or A.unsupported(impl, dtype, 64):
+            continue
+        kernel_here(impl, dtype, 64, 6, 6)
+        assert A.choose(dtype, 64, 6, 6) == impl
+        return
+    pytest.skip(lacking_isa("cpu_attn") or "no vLLM _C attention kernel applies here")
 
 
 def test_forced_avx2_build_falls_back_to_the_paged_kernel():
@@ -147,10 +195,7 @@ def test_kernels_read_qkv_views_as_dense_copies(case, impl):
     """_C's kernels get q/k/v split from one fused projection as views with a token stride (no copies): the
     result is bit-identical to the same call on dense copies."""
     b, s, h, hkv, d, varlen = case
-    if impl == "extend" and A.self_check("extend", torch.bfloat16, d, h, hkv):
-        pytest.skip("extend: not for this head size here")
-    if impl == "cpu_attn" and d not in A.CPU_ATTN_HEAD_SIZES:
-        pytest.skip("head size")
+    kernel_here(impl, torch.bfloat16, d, h, hkv)
     gen = torch.Generator().manual_seed(hash(case) % 2**31 + 1)
     q, k, v = qkv_views(b, s, h, hkv, d, torch.bfloat16, gen)
     assert not q.is_contiguous() and A._flat(q).data_ptr() == q.data_ptr()  # a view, not a copy

@@ -1,6 +1,8 @@
 """An int8 model's output projection in int8 (patches/0030): vLLM's ``ParallelLMHead`` on CPU, proved against the
-float projection on randomised inputs, off wherever it does not apply, and asked for by the launcher only for an
-int8 checkpoint. The engine-level checks (an int8 engine's log, its WER) are in tests/test_quantize.py.
+float projection on randomised inputs on every CPU (where this CPU has no int8 kernel for it, the float path vLLM
+falls back to is proved against float32 instead; that fallback is also forced and checked here on any CPU), off
+wherever it does not apply, and asked for by the launcher only for an int8 checkpoint. The engine-level checks
+(an int8 engine's log, its WER) are in tests/test_quantize.py.
 
 Where exactness ends: the int8 path rounds each weight to 1/127 of its row's largest magnitude and each activation
 to 1/127 of its token's (symmetric), and accumulates exactly in int32; only those two roundings differ from the
@@ -53,6 +55,28 @@ def dispatched(weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch, flag: str 
         return head, utils.dispatch_cpu_int8_lm_head(head)
 
 
+def int8_kernel_here(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs a model of ``dtype``'s output projection in int8: the SGL kernel (AMX, bf16/fp16), or
+    oneDNN's int8 GEMM with VNNI."""
+    return (AMX and dtype != torch.float32) or VNNI
+
+
+def float_fallback_matches(head: Head, w: torch.Tensor, dtype: torch.dtype, g: torch.Generator) -> None:
+    """vLLM's own float dispatch of the layer (what the projection runs on where the int8 one does not apply)
+    against float32: within the output's rounding (bf16: 2^-8 of each value) and the float32 accumulation."""
+    utils.dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    hidden = w.shape[1]
+    for m in (1, 3, 17):
+        x = (torch.randn(m, hidden, generator=g) * 4).to(dtype)
+        out = head.cpu_linear(x, head.weight, None)
+        assert out.shape == (m, w.shape[0]) and out.dtype == dtype
+        ref = x.float() @ w.float().t()
+        rounding = ref.abs() * (2**-8 if dtype == torch.bfloat16 else 0.0)
+        bound = rounding + 2**-16 * (x.float().abs() @ w.float().abs().t()) + 1e-6
+        err = (out.float() - ref).abs()
+        assert (err <= bound).all(), float((err - bound).max())
+
+
 def error_bound(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Per element: the two int8 roundings (half a step each) plus the output's own bf16 rounding."""
     xf, wf = x.float(), w.float()
@@ -61,19 +85,26 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Te
     return rounding + out.float().abs() * 2**-8 + 1e-6
 
 
-@pytest.mark.skipif(not (AMX or VNNI), reason="the int8 projection needs AMX (SGL kernel) or VNNI (oneDNN)")
+def weights(vocab: int, hidden: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    # Rows of different scales, as an embedding's are, and one all-zero row (its scale must stay positive).
+    w = (torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g) * 0.1).to(dtype)
+    w[7] = 0
+    return w
+
+
 @pytest.mark.parametrize(("vocab", "hidden"), [(51864, 384), (1003, 512)])  # tiny.en's; a vocabulary not of 16s
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # on AMX: the SGL kernel, then oneDNN
 def test_matches_the_float_projection_within_int8_rounding(vocab: int, hidden: int, dtype: torch.dtype,
                                                            monkeypatch: pytest.MonkeyPatch):
-    if dtype == torch.float32 and not VNNI:
-        pytest.skip("a float32 model's projection runs on oneDNN, taken only with VNNI")
+    """On every CPU: in int8 where this CPU has the kernel for it, else the float fallback, against float32."""
     g = torch.Generator().manual_seed(vocab)
-    # Rows of different scales, as an embedding's are, and one all-zero row (its scale must stay positive).
-    w = (torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g) * 0.1).to(dtype)
-    w[7] = 0
+    w = weights(vocab, hidden, dtype, g)
     head, took = dispatched(w, monkeypatch, dtype=dtype)
-    assert took
+    assert took == int8_kernel_here(dtype), (AMX, VNNI, dtype)
+    if not took:  # no int8 kernel for it here: what the model runs instead must equal float32
+        assert not hasattr(head, "cpu_linear")
+        float_fallback_matches(head, w, dtype, g)
+        return
     for m in (1, 3, 17):
         x = (torch.randn(m, hidden, generator=g) * 4).to(dtype)
         out = head.cpu_linear(x, head.weight, None)
@@ -100,6 +131,19 @@ def test_changes_nothing_unless_asked(flag: str, monkeypatch: pytest.MonkeyPatch
     """Not asked for: the layer is left to vLLM's own float dispatch."""
     head, took = dispatched(torch.randn(64, 32).to(torch.bfloat16), monkeypatch, flag)
     assert not took and not hasattr(head, "cpu_linear")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_without_an_int8_kernel_the_projection_is_the_float_one(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+    """A CPU with neither AMX nor VNNI, forced on this one (torch's probes answer no; on such a CPU they do): the
+    patch leaves the layer alone and vLLM's float dispatch equals float32."""
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    g = torch.Generator().manual_seed(11)
+    w = weights(1003, 512, dtype, g)
+    head, took = dispatched(w, monkeypatch, dtype=dtype)
+    assert not took and not hasattr(head, "cpu_linear")
+    float_fallback_matches(head, w, dtype, g)
 
 
 @pytest.mark.skipif(AMX or VNNI, reason="checks a CPU with neither AMX nor VNNI")

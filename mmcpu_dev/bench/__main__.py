@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-peers", action="store_true", help="no OpenVINO / whisper.cpp / faster-whisper")
     parser.add_argument("--no-lines", action="store_true", help="full: leave out the proof line's engines")
+    parser.add_argument("--no-stack", action="store_true", help="full, quick: measure ours only as a bare engine, "
+                        "not also through the gateway with the vision engine beside it (the headline's then bare)")
     parser.add_argument("--peer-python", default=os.environ.get("BENCH_PYTHON", "python3"),
                         help="the base interpreter the peers' venvs are made with")
     parser.add_argument("--no-compose", action="store_true", help="skip `compose up` to serving (quick: skipped)")
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         variants = [] if args.variants == "none" else [Path(p) for p in args.variants.split(",")]
     plan = plans.build("full" if args.mode == "peers" else args.mode, settings, variants=variants,
-                       peers=not args.no_peers, lines=False if args.no_lines else None, audio_levels=args.levels,
+                       peers=not args.no_peers, lines=False if args.no_lines else None,
+                       stack=False if args.no_stack else None, audio_levels=args.levels,
                        vision_levels=args.vision_levels, reps=args.reps, mixed=args.mixed)  # fmt: skip
     if args.mode == "peers":
         return run.setup_peers(plan, args.peer_python)
@@ -134,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {bench_python} missing (run `make bench-venv`)", file=sys.stderr)
         return 2
     args.no_compose = args.no_compose or args.mode in ("quick", "lines")
-    return run.write(run.Bench(plan, args).run(), out, bench_python)
+    bench = run.Bench(plan, args)
+    bench.results.meta.command = " ".join(["python -m mmcpu_dev.bench", *argv])
+    return run.write(bench.run(), out, bench_python, record=args.mode == "full")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@ class RoundRecord(BaseModel):
     loadavg_1m: float = 0.0
     foreign_cores: float = 0.0
     flagged: bool = False
+    # the measured system's own processes (vLLM: the engine's tree, through the stack also the gateway's and the
+    # vision engine's; a peer: its process): CPU seconds over the round and cpu / wall, the cores it kept busy
+    cpu_s: float | None = None
+    cores: float | None = None
+    layout: str | None = None  # peers: cpu_threads x num_workers
+    layout_cores: int | None = None  # the cores that layout can keep busy at this level (runners.layout_cores)
+    underused: bool = False  # it kept fewer than runners.USE_MIN of them
 
 
 class SearchRow(BaseModel):
@@ -38,6 +45,8 @@ class SearchRow(BaseModel):
     failures: int
     chosen: bool = False
     isa: str | None = None  # faster-whisper: CT2_FORCE_CPU_ISA of this configuration (None: CTranslate2's pick)
+    cores: float | None = None  # cpu / wall of the peer's process over the round
+    underused: bool = False  # it kept fewer than runners.USE_MIN of the cores this layout can keep busy
 
 
 class Startup(BaseModel):
@@ -82,6 +91,7 @@ class Meta(BaseModel):
     versions: dict[str, str] = {}
     foreign_cores_limit: float
     engine_args: str = ""
+    command: str = ""  # the command line of the run
     failed: list[str] = []
 
 

@@ -1,10 +1,12 @@
 """Carry a plan out: full / quick (measure, then write the report) and latency (print MRV2 vs V1 per request).
 
-Everything runs on 127.0.0.1, one vLLM engine at a time (each system alone; the mixed load alone runs ours' two
-engines behind the gateway). faster-whisper first searches its best (cpu_threads, num_workers) per level with no
-engine up, then its rounds are interleaved with each vLLM system's in that system's phase, so a change in the
-machine's load hits both; every round records the load and the cores other processes used. Nothing is asserted
-about speed: the exit code is 1 only when a system could not be measured or the mixed load had failures.
+Everything runs on 127.0.0.1, one vLLM engine at a time (each system alone; ours is measured again, and the mixed
+load runs, with ours' two engines behind the gateway, as `make up` serves them). The peers first search their best
+(cpu_threads, num_workers) per level with no engine up, then their rounds are interleaved with each vLLM system's in
+that system's phase, so a change in the machine's load hits both; every round records the load, the cores other
+processes used and the cores the measured system's own processes kept busy. Nothing is asserted about speed: the
+exit code is 1 only when a system could not be measured, the mixed load had failures or a peer's replicas did not
+run in parallel.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from mmcpu_dev.bench.plan import Plan, System
 from mmcpu_dev.bench.results import Meta, Mixed, Results, RoundRecord, SearchRow, Startup, SystemResult
 from mmcpu_dev.bench.results import headline, missing
 from mmcpu_dev.bench.peers import PeerUnavailable, Setup
-from mmcpu_dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, FasterWhisper, Gateway, Http, Peer, Profiler,
-                                     RssSampler, log, run_round, undisturbed, worker_cpus, worker_pid)  # fmt: skip
+from mmcpu_dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, CpuUse, FasterWhisper, Gateway, Http, Peer,
+                                     Profiler, RssSampler, layout_use, log, replicas_idle, run_round, undisturbed,
+                                     worker_cpus, worker_pid)  # fmt: skip
 from mmcpu_dev.bench.stats import Round, merge_rounds, ratio, summarize, wer
 from mmcpu_dev.payloads import test_image
 from mmcpu_dev.servers import Engine
@@ -199,27 +202,43 @@ class Bench:
             log(f"warm-up of {key} failed: {str(exc)[:300]}")
 
     def measured(self, kind: str, phase: str, who: str, c: int, fn: Callable[[], Round],
-                 profile: tuple[str, Engine] | None = None) -> Round:  # fmt: skip
+                 profile: tuple[str, Engine] | None = None, pids: Callable[[], list[int | None]] | None = None,
+                 layout: tuple[int, int] | None = None) -> Round:  # fmt: skip
         """One round with its load record (a disturbed one is taken again: runners.undisturbed); under py-spy on
-        the engine's worker when profile=(title, engine)."""
-        def take() -> tuple[Round, str | None]:
+        the engine's worker when profile=(title, engine). ``pids``: the measured system's processes, whose CPU
+        time over the round is recorded (cpu / wall: the cores it kept busy); ``layout``: a peer's
+        (cpu_threads, num_workers), checked against those cores (runners.layout_use)."""
+        def take() -> tuple[Round, str | None, dict]:
+            use = CpuUse(pids)
             if not profile or self.args.no_profile:
-                return fn(), None
+                rnd = fn()
+                return rnd, None, use.stop()
             title, eng = profile
             out = self.logs / f"profile-{len(self.raw_profiles)}-{len(self.raw_profiles[title])}.txt"
             with Profiler(self.bench_python.parent / "py-spy", worker_pid(eng), out) as prof:
                 rnd = fn()
-            return rnd, f"error: {prof.error}" if prof.error else prof.raw()
+            cpu = use.stop()
+            return rnd, f"error: {prof.error}" if prof.error else prof.raw(), cpu
 
-        (rnd, raw), load = undisturbed(take, f"{kind} {who} c={c}")
+        (rnd, raw, cpu), load = undisturbed(take, f"{kind} {who} c={c}")
         if raw is not None:
             self.raw_profiles[profile[0]].append(raw)
+        if layout:
+            cpu |= layout_use(cpu.get("cores"), *layout, c, self.results.meta.cpus)
+            if replicas_idle(layout[1], c, cpu, load["flagged"]):
+                self.failed.append(f"{who} c={c}: layout {cpu['layout']} (cpu_threads x num_workers) kept "
+                                   f"{cpu['cores']} of its {cpu['layout_cores']} cores busy: its replicas did not "
+                                   "run in parallel")  # fmt: skip
         s = rnd.summary()
         self.results.rounds.append(RoundRecord(kind=kind, phase=phase, system=who, concurrency=c,
                                                throughput=s.throughput, rps=s.rps, p50_s=s.p50_s,
-                                               failures=s.failures, profiled=bool(profile), **load))  # fmt: skip
+                                               failures=s.failures, profiled=bool(profile), **load,
+                                               **cpu))  # fmt: skip
+        used = f", {cpu['cores']} cores" if "cores" in cpu else ""
+        used += f" of {cpu['layout_cores']} ({cpu['layout']}){' UNDERUSED' if cpu['underused'] else ''}" \
+            if layout else ""
         log(f"{kind:6s} {who:22s} c={c:<2d} {s.ok}/{s.n} ok, {report.fmt(s.throughput)} audio-s/s, "
-            f"{report.fmt(s.rps)} rps, p50 {report.fmt(s.p50_s)} s (load {load['loadavg_1m']}, foreign "
+            f"{report.fmt(s.rps)} rps, p50 {report.fmt(s.p50_s)} s{used} (load {load['loadavg_1m']}, foreign "
             f"{load['foreign_cores']} cores){' FLAGGED: other work ran' if load['flagged'] else ''}")
         return rnd
 
@@ -290,11 +309,13 @@ class Bench:
             for isa, peer in procs.items():
                 for t, w in [g for g in self.plan.fw_grid if g[1] <= c] or self.plan.fw_grid[:1]:
                     fn = lambda t=t, w=w, c=c, peer=peer: peer.audio_round(subset, c, t, w)  # noqa: E731
-                    s = self.measured("search", "", key + ("" if isa == "default" else f"@{isa}"), c,
-                                      fn).summary()  # fmt: skip
+                    s = self.measured("search", "", key + ("" if isa == "default" else f"@{isa}"), c, fn,
+                                      pids=lambda peer=peer: [peer.pid], layout=(t, w)).summary()  # fmt: skip
+                    rec = self.results.rounds[-1]
                     rows.append(SearchRow(system=key, concurrency=c, cpu_threads=t, num_workers=w,
                                           throughput=s.throughput, p50_s=s.p50_s, failures=s.failures,
-                                          isa=None if isa == "default" else isa))  # fmt: skip
+                                          isa=None if isa == "default" else isa, cores=rec.cores,
+                                          underused=rec.underused))  # fmt: skip
             best = max(rows, key=lambda r: (r.failures == 0, r.throughput or 0))
             best.chosen = True
             res = self.results.systems[key]
@@ -315,37 +336,18 @@ class Bench:
         self.results.startup[kind] = Startup(ready_s=round(eng.ready_s, 1), stages=stages, page_cache_dropped=dropped)
         log(f"{kind} start: {eng.ready_s:.1f} s = " + ", ".join(f"{k} {v}" for k, v in stages.items()))
 
-    def audio_phase(self, system: System, clips: list[inputs.Clip], long: list[inputs.Clip]) -> Engine | None:
-        """One vLLM system alone, its faster-whisper peers' rounds interleaved (order rotating per level)."""
+    def audio_phase(self, system: System, clips: list[inputs.Clip], long: list[inputs.Clip]) -> None:
+        """One vLLM system alone, its peers' rounds interleaved (order rotating per level). Ours then runs again
+        through the stack (the plan's ``stack``: the gateway in front, the vision engine beside it) with its peers
+        interleaved again, then the mixed load."""
         eng = self.engine(system)
         if not self.start(eng, system):
-            return None
+            return
         if system.ours:
             self.startup(eng, "warm")
         http = Http(eng.base_url, audio_model=eng.name)
         self.warm(system.key, lambda: http.transcribe(clips[0]))
-        players: dict[str, Callable[[int], Round]] = {system.key: lambda c: http.audio_round(clips, c)}
-        players |= {p: lambda c, p=p: self.fw_round(p, clips, c) for p in system.peers if p in self.peers}
-        levels = self.plan.levels_of(system.key)
-        for n, c in enumerate(levels):
-            order = list(players)[n % len(players):] + list(players)[: n % len(players)]
-            for who in order:
-                for rep in range(system.reps or self.plan.reps):
-                    if who not in players:  # a peer that died in an earlier round
-                        continue
-                    prof = None
-                    if system.ours and who == system.key and rep == 0 and c in (levels[0], levels[-1]):
-                        prof = (f"Whisper transcription, {system.label}, concurrency {c}", eng)
-                    try:
-                        rnd = self.measured("audio", system.key, who, c, lambda who=who, c=c: players[who](c), prof)
-                    except RuntimeError as exc:
-                        if who == system.key:
-                            raise
-                        self.drop_peer(who, f"died in the {system.key} phase at c={c}: {exc}")
-                        players.pop(who)
-                        continue
-                    self.audio[who][c].append(rnd)
-                    self.paired[system.key][who][c].append(rnd)
+        self.rounds(system, system, lambda c: http.audio_round(clips, c), lambda: [eng.proc.pid], clips, eng)
         if system.ours:  # long files one at a time: ours, faster-whisper int8 (plain, batched), interleaved
             for clip in long:
                 for who, batch in ((system.key, 0), (self.plan.peer, 0), (self.plan.peer, self.plan.fw_batch_size)):
@@ -355,21 +357,71 @@ class Bench:
                         (lambda clip=clip, who=who, batch=batch: self.fw_round(who, [clip], 1, batch))
                     name = clip.name + (f" batched (batch_size {batch})" if batch else "")
                     self.long[who][name].append(self.measured("long", system.key, who, 1, fn))
-            if self.plan.mixed:
-                return eng  # kept up for the mixed load
+        if system.ours and (self.plan.stack or self.plan.mixed):
+            self.through_stack(eng, clips)
         eng.stop()
-        return None
 
-    def mixed(self, audio: Engine, clips: list[inputs.Clip]) -> Engine | None:
-        """Ours' two engines behind the gateway: transcriptions and image chats, half of them with sampling."""
+    def rounds(self, system: System, phase: System, ours: Callable[[int], Round],
+               pids: Callable[[], list[int | None]], clips: list[inputs.Clip], eng: Engine) -> None:
+        """``system``'s rounds at each of its levels, interleaved with its peers' (the order rotating per level),
+        recorded as ``phase``'s (the pairs of the headline's ratios)."""
+        players: dict[str, Callable[[int], Round]] = {phase.key: ours}
+        players |= {p: lambda c, p=p: self.fw_round(p, clips, c) for p in system.peers if p in self.peers}
+        levels = self.plan.levels_of(system.key)
+        for n, c in enumerate(levels):
+            order = list(players)[n % len(players):] + list(players)[: n % len(players)]
+            for who in order:
+                for rep in range(system.reps or self.plan.reps):
+                    if who not in players:  # a peer that died in an earlier round
+                        continue
+                    prof = None
+                    if system.ours and who == phase.key and rep == 0 and c in (levels[0], levels[-1]):
+                        prof = (f"Whisper transcription, {phase.label}, concurrency {c}", eng)
+                    who_pids, layout = (pids, None) if who == phase.key else self.peer_use(who, c)
+                    try:
+                        rnd = self.measured("audio", phase.key, who, c, lambda who=who, c=c: players[who](c), prof,
+                                            pids=who_pids, layout=layout)  # fmt: skip
+                    except RuntimeError as exc:
+                        if who == phase.key:
+                            raise
+                        self.drop_peer(who, f"died in the {phase.key} phase at c={c}: {exc}")
+                        players.pop(who)
+                        continue
+                    self.audio[who][c].append(rnd)
+                    self.paired[phase.key][who][c].append(rnd)
+
+    def peer_use(self, key: str, c: int) -> tuple[Callable[[], list[int | None]], tuple[int, int]]:
+        """The process and (cpu_threads, num_workers) a peer's round at level c runs on (fw_round's choice)."""
+        res = self.results.systems[key]
+        proc = self.peers[key][res.fw_isa.get(c, "default")]
+        return (lambda: [proc.pid]), res.fw_best.get(c, (len(os.sched_getaffinity(0)), 1))
+
+    def through_stack(self, audio: Engine, clips: list[inputs.Clip]) -> None:
+        """Ours' audio engine as `make up` serves it: the gateway in front, the vision engine started beside it
+        (idle unless asked). Ours' rounds through the gateway (the plan's ``stack``, peers interleaved), then the
+        mixed load; both stop after, so that every other system runs alone."""
         plan, system = self.plan, self.plan.system(self.plan.vision_ours)
         vision = self.engine(system)
         if not self.start(vision, system):
-            return None
+            return
         gw = Gateway({"audio": audio.base_url, "vision": vision.base_url}, self.logs / "gateway.log")
         self.cleanup.append(gw.stop)
         http = Http(gw.url, audio_model=audio.name, vision_model=vision.name)
         self.warm("gateway", lambda: http.chat([test_image(1)]))
+        if plan.stack:
+            stack = plan.system(plan.stack)
+            log(f"{stack.label}: {gw.url}")
+            self.warm(stack.key, lambda: http.transcribe(clips[0]))
+            self.rounds(plan.system(plan.ours), stack, lambda c: http.audio_round(clips, c),
+                        lambda: [audio.proc.pid, vision.proc.pid, gw.pid], clips, audio)  # fmt: skip
+        if plan.mixed:
+            self.mixed(http, clips)
+        gw.stop()
+        vision.stop()
+
+    def mixed(self, http: Http, clips: list[inputs.Clip]) -> None:
+        """Ours' two engines behind the gateway: transcriptions and image chats, half of them with sampling."""
+        plan = self.plan
         n_audio = round(plan.mixed * plan.mixed_audio_share)
         kinds = ["audio"] * n_audio + ["vision"] * (plan.mixed - n_audio)
         random.Random(5).shuffle(kinds)
@@ -383,7 +435,7 @@ class Bench:
                 sampling = {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}
                 calls.append(lambda imgs=chats[i % 4], sampling=sampling: http.chat(imgs, **sampling))
                 meta.append((0.0, "vision", None))
-        log(f"mixed load: {plan.mixed} requests at concurrency {plan.mixed_concurrency} via {gw.url}")
+        log(f"mixed load: {plan.mixed} requests at concurrency {plan.mixed_concurrency} via {http.url}")
         rnd = run_round(calls, plan.mixed_concurrency, meta)
         by_kind = {k: summarize([s for s in rnd.samples if s.kind == k], rnd.wall_s) for k in ("audio", "vision")}
         self.results.mixed = Mixed(system=plan.ours, concurrency=plan.mixed_concurrency, total=rnd.summary(),
@@ -392,12 +444,10 @@ class Bench:
         log(f"mixed load: {total.failures} failures, p95 {report.fmt(total.p95_s)} s, wall {total.wall_s:.0f} s")
         if total.failures:
             self.failed.append(f"mixed load: {total.failures} failures: {total.errors}")
-        gw.stop()
-        return vision
 
-    def vision_phase(self, system: System, eng: Engine | None = None) -> None:
-        eng = eng or self.engine(system)
-        if eng.proc is None and not self.start(eng, system):
+    def vision_phase(self, system: System) -> None:
+        eng = self.engine(system)
+        if not self.start(eng, system):
             return
         http = Http(eng.base_url, vision_model=eng.name)
         self.warm(system.key, lambda: http.chat([test_image(1)]))
@@ -406,7 +456,8 @@ class Bench:
             for rep in range(system.reps or self.plan.reps):
                 prof = (f"LLaVA chats, {system.label}", eng) if system.ours and rep == 0 else None
                 self.vision[system.key][c].append(
-                    self.measured("vision", system.key, system.key, c, lambda c=c: http.vision_round(chats, c), prof))
+                    self.measured("vision", system.key, system.key, c, lambda c=c: http.vision_round(chats, c), prof,
+                                  pids=lambda: [eng.proc.pid]))
         eng.stop()
 
     # --- the run -----------------------------------------------------------------------------------------------
@@ -427,14 +478,10 @@ class Bench:
                 if self.start(cold, ours):
                     self.startup(cold, "cold", dropped)
                     cold.stop()
-            kept = None
             for system in plan.audio_phases():
-                kept = self.audio_phase(system, clips, long) or kept
-            vision = self.mixed(kept, clips) if kept else None
-            if kept:
-                kept.stop()
+                self.audio_phase(system, clips, long)
             for system in [s for s in plan.systems if s.engine == "vllm" and s.role == "vision"]:
-                self.vision_phase(system, vision if system.key == plan.vision_ours else None)
+                self.vision_phase(system)
         finally:
             for stop in reversed(self.cleanup):
                 try:
@@ -507,16 +554,21 @@ def line_versions(python: Path) -> dict[str, str]:
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else {}
 
 
-def write(results: Results, out_dir: Path, bench_python: Path) -> int:
-    """results.json, the plot (bench venv) and benchmarks.md (docs/bench/analysis.md appended) under out_dir."""
+def write(results: Results, out_dir: Path, bench_python: Path, record: bool = False) -> int:
+    """results.json, the plot (bench venv) and benchmarks.md (docs/bench/analysis.md appended) under out_dir;
+    ``record`` (a full run): its CPU's entry of the runs on record (bench/cpus.json) replaced by this run's."""
+    from mmcpu_dev.bench import record as records
+
     (out_dir / "bench").mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "bench" / "results.json"
     json_path.write_text(results.model_dump_json(indent=2) + "\n")
+    cpus = out_dir / "bench" / "cpus.json"
+    runs = records.update(cpus, results) if record else records.load(cpus)
     png = out_dir / "bench" / "throughput.png"
     plot = subprocess.run([str(bench_python), "-P", str(PEER), "plot", "--json", str(json_path), "--out", str(png)])
     analysis = REPO_ROOT / "docs" / "bench" / "analysis.md"
     extra = "\n" + analysis.read_text() if analysis.is_file() else ""
-    (out_dir / "benchmarks.md").write_text(report.render(results) + extra)
+    (out_dir / "benchmarks.md").write_text(report.render(results, runs) + extra)
     log(f"wrote {out_dir / 'benchmarks.md'}, {json_path}, {png}")
     for f in results.meta.failed:
         print(f"error: {f}", file=sys.stderr)

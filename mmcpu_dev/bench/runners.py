@@ -252,6 +252,69 @@ class CpuWatch:
                 "flagged": foreign > FOREIGN_CORES_LIMIT}  # fmt: skip
 
 
+def tree_cpu_s(pids: list[int | None]) -> float:
+    """User + system CPU seconds used so far by these processes and everything under them (all threads)."""
+    seen: set[int] = set()
+    total = 0.0
+    for pid in pids:
+        if not pid:
+            continue
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            if proc.pid in seen:
+                continue
+            seen.add(proc.pid)
+            try:
+                c = proc.cpu_times()
+                total += c.user + c.system
+            except psutil.NoSuchProcess:
+                pass
+    return total
+
+
+class CpuUse:
+    """The cores the measured system's own processes kept busy over a round: their CPU time / the round's wall."""
+
+    def __init__(self, pids: Callable[[], list[int | None]] | None) -> None:
+        self.pids = pids
+        self.t0 = time.monotonic()
+        self.cpu0 = tree_cpu_s(pids()) if pids else 0.0
+
+    def stop(self) -> dict:
+        if not self.pids:
+            return {}
+        wall = max(time.monotonic() - self.t0, 1e-6)
+        cpu = max(0.0, tree_cpu_s(self.pids()) - self.cpu0)
+        return {"cpu_s": round(cpu, 2), "cores": round(cpu / wall, 2)}
+
+
+USE_MIN = 0.75  # a layout that kept fewer than this share of the cores it can keep busy did not use its cores
+
+
+def layout_cores(threads: int, workers: int, concurrency: int, cpus: int) -> int:
+    """The cores a peer's layout can keep busy: min(workers, concurrency) replicas of ``threads`` threads each,
+    at most the CPUs there are."""
+    return min(min(workers, concurrency) * threads, cpus)
+
+
+def layout_use(cores: float | None, threads: int, workers: int, concurrency: int, cpus: int) -> dict:
+    """The layout's record beside a round's cpu/wall: the cores it can keep busy, and ``underused`` when it used
+    fewer than USE_MIN of them (only where that is at least 2: one core's use is bounded by the round's own gaps)."""
+    can = layout_cores(threads, workers, concurrency, cpus)
+    return {"layout": f"{threads}x{workers}", "layout_cores": can,
+            "underused": cores is not None and can >= 2 and cores < USE_MIN * can}
+
+
+def replicas_idle(workers: int, concurrency: int, use: dict, flagged: bool) -> bool:
+    """A layout of several replicas at work together that left cores idle on an undisturbed round: the replicas
+    did not run in parallel (e.g. pinned onto one core), so the peer's search may have missed its best layout."""
+    return min(workers, concurrency) >= 2 and bool(use.get("underused")) and not flagged
+
+
 RETAKES = 3  # a disturbed round is taken again this many times at most (a shared machine)
 RETAKE_PAUSE_S = 15
 
