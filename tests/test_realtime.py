@@ -244,6 +244,18 @@ def test_server_vad_turns_follow_the_pauses(talk):
         assert commit.audio.size / 16 >= (b - a) / 16 + 500  # the sentence and the pause that ended it
 
 
+def test_server_vad_pause_is_seen_before_the_commit(talk):
+    """In the pause after a sentence, before silence_duration_ms has passed, the open turn is `pausing` (no interim
+    decode starts then); once the next sentence is under way it is not."""
+    audio, spans = talk
+    buf = InputBuffer(vad.session(), p.SERVER_VAD, 30 * 16000)
+    (a0, b0), (a1, b1) = spans[:2]
+    assert [type(ev) for ev in buf.append(audio[: b0 + 3200])] == [Started]  # 200 ms into the pause
+    assert buf.speech and buf.pausing
+    assert [type(ev) for ev in buf.append(audio[b0 + 3200: a1 + (b1 - a1) // 2])] == [Stopped, Commit, Started]
+    assert buf.speech and not buf.pausing
+
+
 def test_server_vad_turn_is_cut_at_the_longest_turn(talk):
     """A turn longer than the longest turn (here 2 s) is committed there, and the speech goes on in a new turn."""
     audio, spans = talk

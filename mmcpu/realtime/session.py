@@ -6,7 +6,9 @@ Tasks of a session, all ended with it (disconnect, idle timeout, a client that s
 - the writer: server events out, each send bounded by ``realtime_send_timeout_s``;
 - the transcriber: committed turns in commit order, one engine request at a time, then ``completed``;
 - the interim loop: every ``realtime_interim_s`` a decode of the open turn so far (one in flight at most, none
-  while a committed turn of any session of the engine waits: finals first), turned into append-only ``delta`` events.
+  while a committed turn of any session of the engine waits: finals first; none in a pause, which may end the
+  turn: an interim decode still at the engine when the turn ends competes with its final), turned into
+  append-only ``delta`` events.
 Cancelling a task cancels its engine request (the connection closes; vLLM aborts the request).
 """
 
@@ -412,6 +414,7 @@ class Session:
             now, engine = time.monotonic(), self.engine
             if (self.item_id is None or self.interim is not None or self.busy or not self.turns.empty()
                     or engine is None or self.hub.finals[engine] or self.config.model is None or not self.buffer.speech
+                    or self.buffer.pausing
                     or now - self.turn_opened < every or now - self.last_interim < every
                     or self.buffer.samples < MIN_INTERIM_S * ENGINE_RATE
                     or self.buffer.samples <= self.interim_samples or not self.hub.interim_slot(engine)):
