@@ -148,6 +148,9 @@ async def stream(base_url: str, model: str, audio: np.ndarray, *, rate: int = 16
         try:
             await asyncio.wait_for(receive(), timeout=audio.size / rate / max(pace, 1e-9) + settle_s
                                    if pace > 0 else settle_s)
+        except TimeoutError:  # say how far the session got, not only that it ran out of time
+            raise TimeoutError(f"not settled {settle_s:g} s after the audio: {len(run.completed)} turns transcribed, "
+                               f"{len(run.waiting())} committed still waiting") from None
         finally:
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)

@@ -244,6 +244,18 @@ def test_server_vad_turns_follow_the_pauses(talk):
         assert commit.audio.size / 16 >= (b - a) / 16 + 500  # the sentence and the pause that ended it
 
 
+def test_server_vad_pause_is_seen_before_the_commit(talk):
+    """In the pause after a sentence, before silence_duration_ms has passed, the open turn is `pausing` (no interim
+    decode starts then); once the next sentence is under way it is not."""
+    audio, spans = talk
+    buf = InputBuffer(vad.session(), p.SERVER_VAD, 30 * 16000)
+    (a0, b0), (a1, b1) = spans[:2]
+    assert [type(ev) for ev in buf.append(audio[: b0 + 3200])] == [Started]  # 200 ms into the pause
+    assert buf.speech and buf.pausing
+    assert [type(ev) for ev in buf.append(audio[b0 + 3200: a1 + (b1 - a1) // 2])] == [Stopped, Commit, Started]
+    assert buf.speech and not buf.pausing
+
+
 def test_server_vad_turn_is_cut_at_the_longest_turn(talk):
     """A turn longer than the longest turn (here 2 s) is committed there, and the speech goes on in a new turn."""
     audio, spans = talk
@@ -688,3 +700,49 @@ def test_bench_keeps_up_only_when_every_turn_is_in_time():
     # without an interim delta the first delta is the final's: 1.2 and 1.2 (interim), 2.4 and 4.5 (the finals')
     assert out["first_delta_s"]["p50"] == pytest.approx((1.2 + 2.4) / 2)
 
+
+
+def test_session_keeps_reading_while_its_turns_wait(slow_engine, monkeypatch):
+    """Committed turns waiting for a busy engine never stop the session reading its client (an unread WebSocket
+    does not take the client's keepalive pongs either, and the session would die of a ping timeout): with more
+    turns waiting than the engine takes, a session update is still answered at once. A session whose backlog passes
+    the bound is told so (`engine_overloaded`) and closed; its turns leave the engine."""
+    from mmcpu.realtime import session as rt_session
+
+    state = slow_engine.app.state
+    monkeypatch.setattr(rt_session, "BACKLOG_S", 7)
+    with gateway(slow_engine.url, realtime_interim_s=0) as served, connect(ws_url(served)) as ws:
+        manual(ws)
+        for _ in range(6):  # 6 s of turns: one at the engine, five waiting
+            send(ws, "input_audio_buffer.append", audio=pcm16_base64(tone(1.0)))
+            send(ws, "input_audio_buffer.commit")
+        t0 = time.monotonic()
+        send(ws, "session.update", session=realtime_session(MODEL, rate=16000, turn_detection=None))
+        kinds = [e["type"] for e in events_until(ws, "session.updated", timeout=5)]
+        assert time.monotonic() - t0 < 2 and kinds.count("input_audio_buffer.committed") == 6
+        assert wait_for(lambda: state.active == 1) and hub_of(served).finals["stub"] == 6
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(tone(2.0)))
+        send(ws, "input_audio_buffer.commit")  # 8 s waiting: over the bound
+        assert events_until(ws, "error", timeout=5)[-1]["error"]["code"] == "engine_overloaded"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=5)
+        assert wait_for(lambda: state.active == 0 and hub_of(served).total == 0, timeout=5)
+        assert hub_of(served).finals["stub"] == 0
+
+
+def test_finals_first_across_sessions(slow_engine, talk):
+    """While one session's committed turn is at the engine, no other session of that engine starts an interim
+    decode: the finals go first."""
+    state = slow_engine.app.state
+    audio, spans = talk
+    with gateway(slow_engine.url, realtime_interim_s=0.2) as served:
+        with connect(ws_url(served)) as a, connect(ws_url(served)) as b:
+            manual(a)
+            manual(b)
+            send(a, "input_audio_buffer.append", audio=pcm16_base64(tone(1.0)))
+            send(a, "input_audio_buffer.commit")
+            assert wait_for(lambda: state.active == 1, timeout=3)  # a's final
+            send(b, "input_audio_buffer.append", audio=pcm16_base64(audio[:spans[0][1]]))
+            assert not wait_for(lambda: state.active > 1, timeout=1.5)  # no interim for b
+        assert wait_for(lambda: state.active == 0 and hub_of(served).total == 0, timeout=5)
+        assert hub_of(served).finals["stub"] == 0 and hub_of(served).interims["stub"] == 0

@@ -2,11 +2,13 @@
 
 Tasks of a session, all ended with it (disconnect, idle timeout, a client that stops reading):
 - the reader: client events, in order; audio goes through the resampler and the VAD
-  into the input buffer, whose commits queue turns;
+  into the input buffer, whose commits queue turns (it never waits for the engine: see ``BACKLOG_S``);
 - the writer: server events out, each send bounded by ``realtime_send_timeout_s``;
 - the transcriber: committed turns in commit order, one engine request at a time, then ``completed``;
 - the interim loop: every ``realtime_interim_s`` a decode of the open turn so far (one in flight at most, none
-  while committed turns wait), turned into append-only ``delta`` events.
+  while a committed turn of any session of the engine waits: finals first; none in a pause, which may end the
+  turn: an interim decode still at the engine when the turn ends competes with its final), turned into
+  append-only ``delta`` events.
 Cancelling a task cancels its engine request (the connection closes; vLLM aborts the request).
 """
 
@@ -38,7 +40,10 @@ log = logging.getLogger("mmcpu.realtime")
 
 MIN_COMMIT_S = 0.1  # OpenAI's: a commit of less audio is an error (input_audio_buffer_commit_empty)
 MIN_INTERIM_S = 0.5  # less audio than this is not worth a decode
-PENDING_TURNS = 4  # committed turns waiting for the engine per session; beyond, the session stops reading
+# Committed audio waiting for the engine per session, in seconds. The reader never stops reading to wait for the
+# engine: a WebSocket that is not read does not read the client's pongs either, and the session would die of a
+# keepalive ping timeout. A session that falls this far behind is closed with an error saying so instead.
+BACKLOG_S = 120
 # Server events waiting for a client that does not read them: a session makes a few per second, so this many means
 # the client stopped reading (or floods the session with bad events without reading the errors); it is closed.
 OUTBOX = 1024
@@ -52,6 +57,7 @@ class Hub:
         self.total = 0
         self.per_engine: Counter[str] = Counter()
         self.interims: Counter[str] = Counter()  # interim decodes in flight per engine
+        self.finals: Counter[str] = Counter()  # committed turns queued or at the engine, per engine (finals first)
         self.sessions = Gauge("mmcpu_realtime_sessions", "Open realtime sessions, by the engine of their model "
                               "('' = no model yet)", ["engine"], registry=registry)
         self.requests = Gauge("mmcpu_realtime_engine_requests", "Engine requests of realtime sessions in flight, "
@@ -101,6 +107,7 @@ class Turn:
     audio: np.ndarray
     config: p.Config
     emitted: p.Emitted
+    engine: str  # the engine counted in Hub.finals while the turn waits ('' = no model)
 
 
 Receive = Callable[[], Awaitable[str | bytes | None]]  # None: the client is gone
@@ -128,7 +135,8 @@ class Session:
         self.emitted = p.Emitted()
         self.outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self.unread = asyncio.Event()  # the outbox overflowed
-        self.turns: asyncio.Queue[Turn] = asyncio.Queue(PENDING_TURNS)
+        self.turns: asyncio.Queue[Turn] = asyncio.Queue()
+        self.backlog = 0  # samples of the committed turns not transcribed yet
         self.busy = False  # the transcriber holds a turn
         self.active = time.monotonic()  # the client's last event or the session's last transcript
         self.interim: asyncio.Task | None = None
@@ -186,6 +194,8 @@ class Session:
                     each.cancel()
             await asyncio.gather(reader, writer, *tasks, *([self.interim] if self.interim else []),
                                  return_exceptions=True)
+            while not self.turns.empty():  # turns never sent: no longer ahead of anyone's interim decodes
+                self.hub.finals[self.turns.get_nowait().engine] -= 1
             self.hub.close(self.engine)
 
     async def _reader(self) -> None:
@@ -347,8 +357,14 @@ class Session:
         self.emit("conversation.item.created" if self.beta else "conversation.item.added",
                   previous_item_id=self.previous_item_id, item=item)
         self.previous_item_id = item_id
-        # A full queue stops this reader (the client's sends wait) until the engine catches up: nothing is lost.
-        await self.turns.put(Turn(item_id, audio, self.config, emitted))
+        self.backlog += audio.size
+        if self.backlog > BACKLOG_S * ENGINE_RATE:
+            self.error(EngineError(f"The engine is {self.backlog / ENGINE_RATE:.0f} s of audio behind this session "
+                                   f"(over {BACKLOG_S} s of committed turns wait): session closed, try again later",
+                                   code="engine_overloaded"))
+            raise Closed("the engine fell too far behind")
+        self.hub.finals[self.engine or ""] += 1  # counted as queued: other sessions' interim decodes wait for it
+        self.turns.put_nowait(Turn(item_id, audio, self.config, emitted, self.engine or ""))
 
     async def _transcriber(self) -> None:
         while True:
@@ -357,6 +373,8 @@ class Session:
             try:
                 await self._final(turn)
             finally:
+                self.hub.finals[turn.engine] -= 1
+                self.backlog -= turn.audio.size
                 self.busy = False
                 self.active = time.monotonic()  # the idle time counts from the last transcript too
 
@@ -395,7 +413,8 @@ class Session:
             await asyncio.sleep(min(0.1, every))
             now, engine = time.monotonic(), self.engine
             if (self.item_id is None or self.interim is not None or self.busy or not self.turns.empty()
-                    or engine is None or self.config.model is None or not self.buffer.speech
+                    or engine is None or self.hub.finals[engine] or self.config.model is None or not self.buffer.speech
+                    or self.buffer.pausing
                     or now - self.turn_opened < every or now - self.last_interim < every
                     or self.buffer.samples < MIN_INTERIM_S * ENGINE_RATE
                     or self.buffer.samples <= self.interim_samples or not self.hub.interim_slot(engine)):

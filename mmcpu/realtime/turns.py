@@ -91,6 +91,11 @@ class InputBuffer:
         self._silence_from = None
 
     @property
+    def pausing(self) -> bool:
+        """With server_vad: the open turn's last frames are below the threshold (it may be about to end)."""
+        return self._silence_from is not None
+
+    @property
     def samples(self) -> int:
         return self._len
 
