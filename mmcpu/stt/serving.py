@@ -36,6 +36,11 @@ COVERED = {
     "language": "given, or English for English-only models",
 }
 TIMESTAMPED = ("verbose_json", "srt", "vtt")
+# openai-whisper's seek over a window's unfinished tail: at most this many re-decodes per window, each at least
+# this far past the last, and none for a tail shorter than this (its open text is kept as decoded).
+SEEK_MAX = 3
+SEEK_MIN_PROGRESS_S = 1.0
+SEEK_MIN_TAIL_S = 0.5
 
 
 @dataclass
@@ -220,7 +225,13 @@ class SpeechServing:
             if fmt == "text":
                 return text.strip() + "\n"
             return {"text": text, **({"usage": usage} if self.task == "transcribe" else {})}
-        segments = [s for w, f in zip(windows, finals) for s in self.segments(w, f)]
+        try:
+            per_window = await asyncio.gather(*(self.seek(request, params, w, f, f"{rid}-seek", ids)
+                                                for w, f, rid in zip(windows, finals, list(ids))))
+        except BaseException:
+            await asyncio.gather(self.engine.abort(ids), return_exceptions=True)
+            raise
+        segments = [s for window_segments in per_window for s in window_segments]
         if fmt in ("srt", "vtt"):
             return formats.subtitles(segments, fmt)
         temperature = request.temperature or 0.0
@@ -233,12 +244,40 @@ class SpeechServing:
             doc["usage"] = usage
         return doc
 
-    def segments(self, window: Window, final: Any) -> list[formats.Segment]:
-        out = final.outputs[0]
+    async def seek(self, request: Any, params: Any, window: Window, final: Any, rid: str,
+                   ids: list[str]) -> list[formats.Segment]:
+        """A window's segments. Under the timestamp rules the model may end a window's decode unfinished: it leaves
+        the speech after its last timestamp to a next window, which vLLM's precut windows do not have, so those
+        words would be lost. As openai-whisper's seek does, the window is then cut at that timestamp and the rest
+        of its audio decoded again from there (at most SEEK_MAX times), until a decode ends closed, makes no
+        progress or brings no text; the open text is then kept as decoded, ending at the window's end."""
+        from mmcpu.whisper_timestamps import seek_index
+
+        out: list[formats.Segment] = []
+        start, tokens = window.start, final.outputs[0]
+        for attempt in range(SEEK_MAX + 1):
+            cut = seek_index(tokens.token_ids, self.timestamp_begin, self.eot) if attempt < SEEK_MAX else None
+            if cut is not None:
+                seek_at = start + formats.TIMESTAMP_STEP_S * (tokens.token_ids[cut] - self.timestamp_begin)
+                if seek_at >= start + SEEK_MIN_PROGRESS_S and window.end - seek_at >= SEEK_MIN_TAIL_S:
+                    tail = window.audio[round((seek_at - window.start) * self.asr.sample_rate):]
+                    ids.append(f"{rid}{attempt}")  # aborted with the others
+                    tail_final = await self._final(self.prompt(request, tail, True), params, ids[-1])
+                    tail_tokens = tail_final.outputs[0]
+                    if any(t < self.eot for t in tail_tokens.token_ids):  # the tail brought text
+                        out += self.segments(tokens, start, window.end, upto=cut + 1)
+                        start, tokens = seek_at, tail_tokens
+                        continue
+            out += self.segments(tokens, start, window.end)
+            return out
+        return out
+
+    def segments(self, out: Any, start: float, end: float, upto: int | None = None) -> list[formats.Segment]:
         logprobs = [(lp.get(t).logprob if lp and lp.get(t) is not None else None)
                     for t, lp in zip(out.token_ids, out.logprobs or [])]
-        return formats.window_segments(out.token_ids, logprobs, self._decode, timestamp_begin=self.timestamp_begin,
-                                       eot=self.eot, window_start=window.start, window_end=window.end)
+        return formats.window_segments(out.token_ids[:upto], logprobs, self._decode,
+                                       timestamp_begin=self.timestamp_begin, eot=self.eot, window_start=start,
+                                       window_end=end)
 
     def _decode(self, tokens: list[int]) -> str:
         assert self.tokenizer is not None
