@@ -177,6 +177,7 @@ def test_errors_are_4xx_naming_the_parameter(stt_engine, clips):
 @pytest.mark.parametrize(("fields", "reason"), [
     ({"response_format": "diarized_json"}, "response_format"),
     ({"response_format": "verbose_json", "timestamp_granularities[]": "word"}, "timestamp_granularities"),
+    ({"timestamp_granularities[]": "segment"}, "timestamp_granularities"),
     ({"chunking_strategy": "auto"}, "chunking_strategy"),
     ({"model": "no-such-model"}, "model"),
 ])
@@ -189,3 +190,5 @@ def test_uncovered_requests_go_to_vllm(stt_engine, clips, fields, reason):
     assert response.status_code in (200, 400, 404), response.text
     if fields.get("timestamp_granularities[]") == "word":
         assert response.status_code == 200 and response.json()["words"]
+    if fields.get("timestamp_granularities[]") == "segment":  # json: vLLM's 400
+        assert response.status_code == 400 and response.json()["error"]["param"] == "timestamp_granularities"

@@ -107,8 +107,9 @@ class SpeechServing:
             return "stream_continuous_usage_stats"
         if fmt in TIMESTAMPED and self.rules is None:
             return "timestamp_rules"  # the engine runs without the processor
-        if set(getattr(request, "timestamp_granularities", None) or []) - {"segment"}:
-            return "timestamp_granularities"
+        granularities = set(getattr(request, "timestamp_granularities", None) or [])
+        if granularities - {"segment"} or (granularities and fmt not in TIMESTAMPED):
+            return "timestamp_granularities"  # words; or json/text, which vLLM's serving refuses with a 400
         if "chunking_strategy" in extra or self.default_vad is not None:
             return "chunking_strategy"
         if extra:
