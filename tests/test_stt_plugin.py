@@ -59,7 +59,7 @@ def post(engine, audio: Path, route: str, task: str = "transcriptions", **fields
 def engine_requests(engine) -> float:
     """Engine requests finished so far (vLLM's counter): what one answer cost in decodes."""
     text = httpx.get(f"{engine.base_url}/metrics", timeout=30).text
-    return sum(float(m) for m in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.M))
+    return sum(float(m) for m in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.MULTILINE))
 
 
 def clock(stamp: str) -> float:

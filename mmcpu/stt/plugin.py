@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Form, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from mmcpu.stt import PLUGIN_NAME, ROUTE_HEADER
 from mmcpu.stt.serving import TASKS, SpeechServing
@@ -40,7 +41,7 @@ class SttPlugin:
             return
         for route in app.routes:
             for task, path in PATHS.items():
-                if getattr(route, "path", None) == path and "POST" in (getattr(route, "methods", None) or ()):
+                if isinstance(route, APIRoute) and route.path == path and "POST" in route.methods:
                     self.core_endpoints[task] = route.endpoint
         app.include_router(self.router())
         self.attached = True

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class Window:
 
 
 def _vllm_envs() -> Any:
-    import vllm.envs as envs
+    from vllm import envs
 
     return envs
 
@@ -69,7 +69,7 @@ class SpeechServing:
         self.core = core  # vLLM's serving object for this task: the delegate
         self.task = task
         self.model_config = core.model_config
-        self.model_cls = get_model_cls(self.model_config)
+        self.model_cls = cast(Any, get_model_cls(self.model_config))  # a SupportsTranscription class
         self.asr = self.model_cls.get_speech_to_text_config(self.model_config, task)
         self.default_sampling = self.model_config.get_diff_sampling_param()
         self.served_names = {path.name for path in core.models.base_model_paths}
@@ -140,7 +140,7 @@ class SpeechServing:
                                    max_decode_bytes=envs.VLLM_MAX_AUDIO_DECODE_BYTES)
         except ValueError as exc:
             raise VLLMValidationError(str(exc), parameter="file") from None
-        except Exception:
+        except Exception:  # noqa: BLE001 - whatever the decoders raise, the upload is what is wrong
             raise VLLMValidationError("Invalid or unsupported audio file.", parameter="file") from None
         if y.size == 0:
             # Whisper would pad nothing to 30 s of silence and make words up.
@@ -194,7 +194,7 @@ class SpeechServing:
         params = request.to_sampling_params(max_tokens, self.default_sampling)
         if timestamped:
             params.logprobs = 1  # each segment's avg_logprob
-            params.extra_args = {**(params.extra_args or {}), **self.rules}
+            params.extra_args = {**(params.extra_args or {}), **(self.rules or {})}
         return params
 
     async def _final(self, prompt: Any, params: Any, request_id: str) -> Any:
@@ -220,7 +220,7 @@ class SpeechServing:
             # The client went away (the route's cancellation) or one window failed: stop every window's decode.
             await asyncio.gather(self.engine.abort(ids), return_exceptions=True)
             raise
-        usage = {"type": "duration", "seconds": int(math.ceil(duration))}  # OpenAI rounds up
+        usage = {"type": "duration", "seconds": math.ceil(duration)}  # OpenAI rounds up
         if not timestamped:
             text = self.separator(request).join(self.model_cls.post_process_output(f.outputs[0].text) for f in finals)
             if fmt == "text":
