@@ -103,8 +103,10 @@ def test_stream_through_openai_sdk(stt_engine, clips, long_clip):
         deltas, done = stream(audio, PLUGIN)
         assert deltas and "".join(deltas) == done.text
         assert done.usage.output_tokens > 0 and done.usage.input_tokens > 0
-        their_deltas, their_done = stream(audio, VLLM)
-        assert (deltas, done.text, done.usage) == (their_deltas, their_done.text, their_done.usage)
+        # The text and usage as vLLM's stream; not the same cut into deltas: vLLM merges the pending deltas of a
+        # request when its reader lags (a loaded machine), for either route.
+        _, their_done = stream(audio, VLLM)
+        assert (done.text, done.usage) == (their_done.text, their_done.usage)
         if audio != long_clip[0]:  # one window: nothing else in the batch, json's text
             assert done.text == post(stt_engine, audio, VLLM, response_format="json").json()["text"]
 
