@@ -134,6 +134,14 @@ class Settings(BaseSettings):
         json_schema_extra={"doc_default": "unset"},
     )
 
+    stt_routes: Literal["vllm", "plugin"] = Field(
+        "vllm",
+        description="who answers POST /v1/audio/transcriptions and /translations on a speech engine. vllm = vLLM's "
+        "patched speech serving. plugin = the mmcpu.stt package (a vllm.endpoint_plugins route; the launcher then "
+        "sets VLLM_PLUGINS=mmcpu,mmcpu_stt and refuses to start without it): it serves what it covers (docs/api.md"
+        "#the-speech-package) and hands every other request to vLLM's serving unchanged",
+    )
+
     # --- roles of the container entrypoint --------------------------------------------------------
     audio_model: str = Field("/models/whisper-tiny.en", description="model served by the audio engine")
     audio_port: int = Field(8001, description="port of the audio engine")

@@ -119,9 +119,40 @@ def preflight(settings: Settings, env: dict[str, str] | None = None) -> str | No
     if plugins is not None and "mmcpu" not in plugins.split(","):
         return (f"VLLM_PLUGINS={plugins!r} leaves out 'mmcpu', the plugin that registers the media connector "
                 f"(VLLM_MEDIA_CONNECTOR={MEDIA_CONNECTOR}) and installs MRV2's native kernels; add it")
+    if settings.stt_routes == "plugin" and (reason := stt_plugin_preflight()):
+        return reason
     if settings.runner == "v2" and settings.triton_interpret:
         return kernels_preflight(settings)
     return None
+
+
+def stt_plugin_preflight() -> str | None:
+    """Why the speech package's endpoint plugin could not load (MMCPU_STT_ROUTES=plugin), or None. vLLM only logs a
+    plugin that fails to load and keeps its own routes: the setting would then be silently ignored."""
+    from importlib.metadata import entry_points
+
+    from mmcpu.stt import PLUGIN_NAME
+
+    found = [ep for ep in entry_points(group="vllm.endpoint_plugins") if ep.name == PLUGIN_NAME]
+    if not found:
+        return (f"MMCPU_STT_ROUTES=plugin needs the vllm.endpoint_plugins entry point {PLUGIN_NAME!r}, which is not "
+                "installed: reinstall mmcpu (pip install -e .) so that its metadata has it")
+    try:
+        found[0].load()()
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the reason to refuse
+        return f"MMCPU_STT_ROUTES=plugin: the {PLUGIN_NAME} plugin does not load: {type(exc).__name__}: {exc}"
+    return None
+
+
+def plugins_env(settings: Settings, kind: str, base: str | None) -> str | None:
+    """VLLM_PLUGINS for an engine: unset as given, unless the speech package serves a speech engine's routes
+    (endpoint plugins load only when named; naming any plugin filters the general ones too, so mmcpu stays)."""
+    if settings.stt_routes != "plugin" or kind != "audio":
+        return base
+    from mmcpu.stt import PLUGIN_NAME
+
+    names = [n for n in (base.split(",") if base is not None else ["mmcpu"]) if n]
+    return ",".join(names + [n for n in ("mmcpu", PLUGIN_NAME) if n not in names])
 
 
 def kernels_preflight(settings: Settings) -> str | None:
@@ -248,6 +279,8 @@ class EngineSpec:
         # Whisper only: the one int8 path this project tests (mmcpu.defaults.resolve).
         int8 = settings.int8_lm_head and chosen.quantization == "int8" and self.kind == "audio"
         env["MMCPU_INT8_LM_HEAD"] = "1" if int8 else "0"
+        if (plugins := plugins_env(settings, self.kind, env.get("VLLM_PLUGINS"))) is not None:
+            env["VLLM_PLUGINS"] = plugins
         return Process(self.name, self.argv(settings, chosen), env)
 
 

@@ -1,0 +1,115 @@
+"""Segments from one timestamped decode, and the text / srt / vtt renderings (pure functions, no vLLM)."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# Whisper's timestamp tokens are 20 ms apart (<|0.00|>, <|0.02|>, ...).
+TIMESTAMP_STEP_S = 0.02
+
+
+@dataclass
+class Segment:
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    avg_logprob: float
+    seek: int  # openai-whisper's seek: the window's start in mel frames (100 per second)
+
+    def as_openai(self, number: int, temperature: float) -> dict:
+        data = self.text.encode("utf-8")
+        return {
+            "id": number, "seek": self.seek, "start": self.start, "end": self.end, "text": self.text,
+            "tokens": self.tokens, "temperature": temperature, "avg_logprob": self.avg_logprob,
+            # A high ratio (repetitive text) hints at a hallucination loop, as in openai-whisper.
+            "compression_ratio": len(data) / max(1, len(zlib.compress(data))),
+            "no_speech_prob": None,  # not computed yet (issue 38 item 7)
+        }  # fmt: skip
+
+
+def window_segments(
+    tokens: Sequence[int],
+    logprobs: Sequence[float | None],
+    decode: Callable[[list[int]], str],
+    *,
+    timestamp_begin: int,
+    eot: int,
+    window_start: float,
+    window_end: float,
+) -> list[Segment]:
+    """The segments of one window's timestamped decode: each text run between timestamps goes from the timestamp
+    before it to the one after it. Text after the last timestamp (the speech runs on past the window, or the tokens
+    ran out) ends at the window's end, so every decoded word is kept. Times are clamped to the window."""
+
+    def clamp(t: float) -> float:
+        return round(min(max(t, window_start), window_end), 3)
+
+    segments: list[Segment] = []
+    opened: float | None = None  # the running segment's start timestamp
+    last_end = window_start
+    text: list[int] = []
+    scores: list[float] = []
+
+    def close(end: float) -> None:
+        nonlocal text, scores
+        words = decode(text)
+        if words.strip():
+            start = clamp(last_end if opened is None else opened)
+            segments.append(Segment(start, max(clamp(end), start), words, list(text),
+                                    sum(scores) / max(1, len(scores)), round(window_start * 100)))
+        text, scores = [], []
+
+    for i, token in enumerate(tokens):
+        if token == eot:
+            break
+        score = logprobs[i] if i < len(logprobs) else None
+        if token >= timestamp_begin:
+            t = window_start + TIMESTAMP_STEP_S * (token - timestamp_begin)
+            if text:
+                if score is not None:
+                    scores.append(score)
+                close(t)
+                last_end, opened = clamp(t), None
+            else:
+                opened = t
+        elif token < eot:  # text; other specials (none expected after the prompt) are not words
+            text.append(token)
+            if score is not None:
+                scores.append(score)
+    if text:
+        close(window_end)
+    return segments
+
+
+def _clock(seconds: float, decimal: str) -> str:
+    ms = max(0, round(seconds * 1000))
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{decimal}{ms:03d}"
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def cue_text(text: str, fmt: str) -> str:
+    """One cue's text on one line: a blank line would end the cue, ``-->`` would read as a timing line, and in
+    WebVTT ``<``, ``>`` and ``&`` would read as markup."""
+    line = _SPACE.sub(" ", text).strip().replace("-->", "->")
+    if fmt == "vtt":
+        line = line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return line
+
+
+def subtitles(segments: Sequence[Segment], fmt: str) -> str:
+    """SRT or WebVTT from the segments; segments with no text make no cue (silence gives an empty document, not an
+    empty cue)."""
+    cues = [(s.start, s.end, cue_text(s.text, fmt)) for s in segments]
+    cues = [c for c in cues if c[2]]
+    if fmt == "srt":
+        return "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{t}\n\n" for i, (a, b, t) in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{t}\n\n" for a, b, t in cues)

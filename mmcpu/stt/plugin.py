@@ -1,0 +1,112 @@
+"""The ``vllm.endpoint_plugins`` entry point ``mmcpu_stt``: POST /v1/audio/transcriptions and /translations.
+
+vLLM attaches a plugin's router after its own and drops its own route of the same path and method; this plugin
+keeps that route's endpoint (and, from ``init_state``, vLLM's serving objects) to hand it every request the package
+does not cover. With ``MMCPU_STT_ROUTES=vllm`` it attaches nothing, so vLLM's routes stay exactly as they are."""
+
+# No `from __future__ import annotations`: FastAPI must read the routes' Form() annotations, made in router().
+import logging
+from argparse import Namespace
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Form, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+
+from mmcpu.stt import PLUGIN_NAME, ROUTE_HEADER
+from mmcpu.stt.serving import TASKS, SpeechServing
+
+logger = logging.getLogger(__name__)
+PATHS = {task: f"/v1/audio/{task}" for task in TASKS}
+
+
+def _enabled() -> bool:
+    from mmcpu.config import get_settings
+
+    return get_settings().stt_routes == "plugin"
+
+
+class SttPlugin:
+    name = PLUGIN_NAME
+    required_tasks = ("transcription",)  # speech models only; vision engines never load it
+
+    def __init__(self) -> None:
+        self.core_endpoints: dict[str, Any] = {}  # vLLM's own route handlers, by task ("transcriptions", ...)
+        self.serving: dict[str, SpeechServing] = {}
+        self.attached = False
+
+    def attach_router(self, app: FastAPI) -> None:
+        if not _enabled():
+            logger.info("mmcpu_stt: MMCPU_STT_ROUTES=vllm, vLLM's speech routes stay in place")
+            return
+        for route in app.routes:
+            for task, path in PATHS.items():
+                if isinstance(route, APIRoute) and route.path == path and "POST" in route.methods:
+                    self.core_endpoints[task] = route.endpoint
+        app.include_router(self.router())
+        self.attached = True
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        if not self.attached:
+            return
+        if engine_client is None:
+            raise RuntimeError("mmcpu_stt needs an engine (it was loaded on vLLM's render-only server)")
+        cores = {"transcriptions": getattr(state, "openai_serving_transcription", None),
+                 "translations": getattr(state, "openai_serving_translation", None)}
+        for task, core in cores.items():
+            if core is not None:
+                self.serving[task] = SpeechServing(engine_client, core, TASKS[task])
+        logger.info("mmcpu_stt serves %s (MMCPU_STT_ROUTES=plugin)", ", ".join(PATHS[t] for t in self.serving))
+
+    # --- routes -----------------------------------------------------------------------------------------------------
+    def router(self) -> APIRouter:
+        from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
+        from vllm.entrypoints.speech_to_text.transcription.protocol import TranscriptionRequest
+        from vllm.entrypoints.speech_to_text.translation.protocol import TranslationRequest
+
+        router = APIRouter()
+
+        @with_cancellation
+        @load_aware_call
+        async def own(raw_request: Request, request: Any, task: str) -> Response:
+            return await self.answer(self.serving[task], request)
+
+        async def serve(raw_request: Request, request: Any, task: str) -> Response:
+            serving = self.serving.get(task)
+            reason = "engine" if serving is None else serving.delegation(request)
+            if reason is None:
+                response = await own(raw_request=raw_request, request=request, task=task)
+                response.headers[ROUTE_HEADER] = "plugin"
+                return response
+            logger.debug("mmcpu_stt hands %s to vLLM's serving: %s", PATHS[task], reason)
+            response = await self.core_endpoints[task](raw_request=raw_request, request=request)
+            response.headers[ROUTE_HEADER] = f"vllm; reason={reason}"
+            return response
+
+        @router.post(PATHS["transcriptions"])
+        async def transcriptions(raw_request: Request,
+                                 request: Annotated[TranscriptionRequest, Form()]) -> Response:
+            return await serve(raw_request, request, "transcriptions")
+
+        @router.post(PATHS["translations"])
+        async def translations(raw_request: Request, request: Annotated[TranslationRequest, Form()]) -> Response:
+            return await serve(raw_request, request, "translations")
+
+        return router
+
+    @staticmethod
+    async def answer(serving: SpeechServing, request: Any) -> Response:
+        from vllm.entrypoints.speech_to_text.base.utils import read_upload_with_limit
+
+        data = await read_upload_with_limit(request.file)
+        if request.stream:
+            return StreamingResponse(await serving.stream(request, data), media_type="text/event-stream")
+        result = await serving.answer(request, data)
+        if isinstance(result, str):
+            return PlainTextResponse(result)
+        return JSONResponse(result)
+
+
+def factory() -> SttPlugin:
+    """The entry point (pyproject.toml ``[project.entry-points."vllm.endpoint_plugins"]``)."""
+    return SttPlugin()

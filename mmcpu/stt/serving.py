@@ -1,0 +1,345 @@
+"""The speech API's serving, by composition on vLLM's public pieces (see :mod:`mmcpu.stt`).
+
+One engine request per audio window for every format it serves: json and text decode as vLLM's own serving does
+(the same prompt, the same sampling parameters, so the same words); verbose_json, srt and vtt decode once under
+Whisper's timestamp rules (:mod:`mmcpu.whisper_timestamps`, the engine's logits processor), the model choosing the
+timestamps in the same decode that chooses the words. Requests it does not cover go to vLLM's serving
+(:meth:`SpeechServing.delegation`)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from mmcpu.stt import formats
+from mmcpu.stt.protocol import StreamInputTokenDetails, StreamUsage, TextDeltaEvent, TextDoneEvent
+
+logger = logging.getLogger(__name__)
+TASKS = {"transcriptions": "transcribe", "translations": "translate"}
+# What the package answers itself; the rest goes to vLLM's serving, with the reason in the route header.
+COVERED = {
+    "response_format": ("json", "text", "verbose_json", "srt", "vtt"),
+    "stream": "json and text, as transcript.text.delta / transcript.text.done events",
+    "timestamp_granularities": "segment",
+    "sampling": "greedy or sampled (temperature, top_p, top_k, min_p, penalties, seed); no beam search",
+    "audio": "any length vLLM decodes: 30 s windows cut as vLLM cuts them",
+    "language": "given, or English for English-only models",
+}
+TIMESTAMPED = ("verbose_json", "srt", "vtt")
+# openai-whisper's seek over a window's unfinished tail: at most this many re-decodes per window, each at least
+# this far past the last, and none for a tail shorter than this (its open text is kept as decoded).
+SEEK_MAX = 3
+SEEK_MIN_PROGRESS_S = 1.0
+SEEK_MIN_TAIL_S = 0.5
+
+
+@dataclass
+class Window:
+    audio: np.ndarray
+    start: float
+    end: float
+
+
+def _vllm_envs() -> Any:
+    from vllm import envs
+
+    return envs
+
+
+class SpeechServing:
+    """The package's handler for one task (transcribe / translate) of one speech engine."""
+
+    def __init__(self, engine_client: Any, core: Any, task: str) -> None:
+        from vllm.model_executor.model_loader import get_model_cls
+        from vllm.tokenizers import get_tokenizer
+
+        from mmcpu import vad, whisper_timestamps
+
+        self.engine = engine_client
+        self.core = core  # vLLM's serving object for this task: the delegate
+        self.task = task
+        self.model_config = core.model_config
+        self.model_cls = cast(Any, get_model_cls(self.model_config))  # a SupportsTranscription class
+        self.asr = self.model_cls.get_speech_to_text_config(self.model_config, task)
+        self.default_sampling = self.model_config.get_diff_sampling_param()
+        self.served_names = {path.name for path in core.models.base_model_paths}
+        self.whisper = bool(getattr(self.model_cls, "supports_segment_timestamp", False))
+        self.default_vad = vad.default_strategy(sorted(self.served_names))
+        self.tokenizer = None
+        self.rules: dict | None = None
+        if self.whisper:
+            self.tokenizer = get_tokenizer(self.model_config.tokenizer, tokenizer_mode=self.model_config.tokenizer_mode)
+            ids = self.tokenizer.convert_tokens_to_ids
+            self.timestamp_begin, self.eot = ids("<|0.00|>"), self.tokenizer.eos_token_id
+            if whisper_timestamps.FQCN in (self.model_config.logits_processors or []):
+                self.rules = whisper_timestamps.request_args(self.timestamp_begin, self.eot, ids("<|notimestamps|>"))
+        # Decoding and resampling audio is CPU work: off the event loop, a few at a time.
+        self.executor = ThreadPoolExecutor(max_workers=_vllm_envs().VLLM_MAX_AUDIO_PREPROCESS_WORKERS,
+                                           thread_name_prefix="mmcpu-stt")
+
+    # --- what is covered ------------------------------------------------------------------------------------------
+    def delegation(self, request: Any) -> str | None:
+        """Why this request goes to vLLM's serving (a short reason for the route header), or None: the package
+        answers it."""
+        extra = request.model_extra or {}
+        fmt = request.response_format
+        if not self.whisper:
+            return "model"
+        if request.model and request.model not in self.served_names:
+            return "model"  # LoRA adapters and unknown names: vLLM's serving resolves or refuses them
+        if fmt not in COVERED["response_format"]:
+            return "response_format"
+        if request.use_beam_search:
+            return "use_beam_search"
+        if request.stream and fmt not in ("json", "text"):
+            return "stream"  # vLLM's serving answers this with its 400
+        if request.stream and request.stream_continuous_usage_stats:
+            return "stream_continuous_usage_stats"
+        if fmt in TIMESTAMPED and self.rules is None:
+            return "timestamp_rules"  # the engine runs without the processor
+        granularities = set(getattr(request, "timestamp_granularities", None) or [])
+        if granularities - {"segment"} or (granularities and fmt not in TIMESTAMPED):
+            return "timestamp_granularities"  # words; or json/text, which vLLM's serving refuses with a 400
+        if "chunking_strategy" in extra or self.default_vad is not None:
+            return "chunking_strategy"
+        if extra:
+            return "extra_fields"  # vLLM's serving knows (or ignores) them as it always did
+        if request.language is None and not self._english_only():
+            return "language"  # language detection
+        return None
+
+    def _english_only(self) -> bool:
+        check = getattr(self.model_cls, "is_english_only", None)
+        return bool(check and check(self.model_config))
+
+    # --- the work -------------------------------------------------------------------------------------------------
+    async def windows(self, data: bytes) -> tuple[list[Window], float]:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._windows, data)
+
+    def _windows(self, data: bytes) -> tuple[list[Window], float]:
+        """The clip decoded at the model's rate and cut into windows as vLLM's serving cuts it."""
+        from vllm.exceptions import VLLMValidationError
+        from vllm.multimodal.audio import get_audio_duration, split_audio
+        from vllm.multimodal.media.audio import load_audio
+
+        envs = _vllm_envs()
+        try:
+            with io.BytesIO(data) as buf:
+                y, sr = load_audio(buf, sr=self.asr.sample_rate, mono=True,
+                                   max_duration_s=envs.VLLM_MAX_AUDIO_DECODE_DURATION_S,
+                                   max_decode_bytes=envs.VLLM_MAX_AUDIO_DECODE_BYTES)
+        except ValueError as exc:
+            raise VLLMValidationError(str(exc), parameter="file") from None
+        except Exception:  # noqa: BLE001 - whatever the decoders raise, the upload is what is wrong
+            raise VLLMValidationError("Invalid or unsupported audio file.", parameter="file") from None
+        if y.size == 0:
+            # Whisper would pad nothing to 30 s of silence and make words up.
+            raise VLLMValidationError("Audio file contains no samples.", parameter="file", value=0)
+        duration = get_audio_duration(y=y, sr=sr)
+        clip = self.asr.max_audio_clip_s
+        if self.asr.allow_audio_chunking and clip is not None and duration > clip:
+            chunks = split_audio(audio_data=y, sample_rate=int(sr), max_clip_duration_s=clip,
+                                 overlap_duration_s=self.asr.overlap_chunk_second,
+                                 min_energy_window_size=self.asr.min_energy_split_window_size)
+        else:
+            chunks = [y]
+        out, start = [], 0.0
+        for chunk in chunks:  # split_audio's chunks are contiguous
+            end = min(start + chunk.shape[-1] / self.asr.sample_rate, duration)
+            out.append(Window(chunk, start, end))
+            start = end
+        return out, duration
+
+    def validate(self, request: Any) -> None:
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            request.language = self.model_cls.validate_language(request.language)
+            if getattr(request, "to_language", None):
+                request.to_language = self.model_cls.validate_language(request.to_language)
+        except VLLMValidationError:
+            raise
+        except ValueError as exc:
+            raise VLLMValidationError(str(exc), parameter="language", value=request.language) from None
+        if request.language is None and self._english_only():
+            request.language = "en"  # an English-only model has no language tokens: it hears English
+
+    def prompt(self, request: Any, audio: np.ndarray, timestamped: bool) -> Any:
+        """The model class's own prompt for one window; timestamped: without <|notimestamps|>, so that the model
+        places timestamps (from the first, within 1 s, under the rules)."""
+        prompt = self.model_cls.get_generation_prompt(
+            request.build_stt_params(audio=audio, stt_config=self.asr, model_config=self.model_config,
+                                     task_type=self.task))
+        if timestamped:
+            decoder = dict(prompt["decoder_prompt"])
+            decoder["prompt"] = decoder["prompt"].replace("<|notimestamps|>", "")
+            prompt = {**prompt, "decoder_prompt": decoder}
+        return prompt
+
+    def sampling(self, request: Any, timestamped: bool) -> Any:
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+        max_tokens = get_max_tokens(self.model_config.max_model_len, request.max_completion_tokens, 0,
+                                    self.default_sampling)
+        params = request.to_sampling_params(max_tokens, self.default_sampling)
+        if timestamped:
+            params.logprobs = 1  # each segment's avg_logprob
+            params.extra_args = {**(params.extra_args or {}), **(self.rules or {})}
+        return params
+
+    async def _final(self, prompt: Any, params: Any, request_id: str) -> Any:
+        final = None
+        async for final in self.engine.generate(prompt, params, request_id):
+            pass
+        assert final is not None and final.finished
+        return final
+
+    async def answer(self, request: Any, data: bytes) -> dict | str:
+        """A whole (non-streamed) answer: the response's JSON document, or the text of text / srt / vtt."""
+        self.validate(request)
+        windows, duration = await self.windows(data)
+        fmt = request.response_format
+        timestamped = fmt in TIMESTAMPED
+        params = self.sampling(request, timestamped)
+        base = f"mmcpu-stt-{self.task}-{uuid.uuid4().hex}"
+        ids = [f"{base}-{i}" for i in range(len(windows))]
+        try:
+            finals = await asyncio.gather(*(self._final(self.prompt(request, w.audio, timestamped), params, rid)
+                                            for w, rid in zip(windows, ids)))
+        except BaseException:
+            # The client went away (the route's cancellation) or one window failed: stop every window's decode.
+            await asyncio.gather(self.engine.abort(ids), return_exceptions=True)
+            raise
+        usage = {"type": "duration", "seconds": math.ceil(duration)}  # OpenAI rounds up
+        if not timestamped:
+            text = self.separator(request).join(self.model_cls.post_process_output(f.outputs[0].text) for f in finals)
+            if fmt == "text":
+                return text.strip() + "\n"
+            return {"text": text, **({"usage": usage} if self.task == "transcribe" else {})}
+        try:
+            per_window = await asyncio.gather(*(self.seek(request, params, w, f, f"{rid}-seek", ids)
+                                                for w, f, rid in zip(windows, finals, list(ids))))
+        except BaseException:
+            await asyncio.gather(self.engine.abort(ids), return_exceptions=True)
+            raise
+        segments = [s for window_segments in per_window for s in window_segments]
+        if fmt in ("srt", "vtt"):
+            return formats.subtitles(segments, fmt)
+        temperature = request.temperature or 0.0
+        doc = {
+            "text": "".join(s.text for s in segments).strip(),  # the text is its segments: the same words
+            "language": request.language, "duration": duration,
+            "segments": [s.as_openai(i, temperature) for i, s in enumerate(segments)],
+        }  # fmt: skip
+        if self.task == "transcribe":
+            doc["usage"] = usage
+        return doc
+
+    async def seek(self, request: Any, params: Any, window: Window, final: Any, rid: str,
+                   ids: list[str]) -> list[formats.Segment]:
+        """A window's segments. Under the timestamp rules the model may end a window's decode unfinished: it leaves
+        the speech after its last timestamp to a next window, which vLLM's precut windows do not have, so those
+        words would be lost. As openai-whisper's seek does, the window is then cut at that timestamp and the rest
+        of its audio decoded again from there (at most SEEK_MAX times), until a decode ends closed, makes no
+        progress or brings no text; the open text is then kept as decoded, ending at the window's end."""
+        from mmcpu.whisper_timestamps import seek_index
+
+        out: list[formats.Segment] = []
+        start, tokens = window.start, final.outputs[0]
+        for attempt in range(SEEK_MAX + 1):
+            cut = seek_index(tokens.token_ids, self.timestamp_begin, self.eot) if attempt < SEEK_MAX else None
+            if cut is not None:
+                seek_at = start + formats.TIMESTAMP_STEP_S * (tokens.token_ids[cut] - self.timestamp_begin)
+                if seek_at >= start + SEEK_MIN_PROGRESS_S and window.end - seek_at >= SEEK_MIN_TAIL_S:
+                    tail = window.audio[round((seek_at - window.start) * self.asr.sample_rate):]
+                    ids.append(f"{rid}{attempt}")  # aborted with the others
+                    tail_final = await self._final(self.prompt(request, tail, True), params, ids[-1])
+                    tail_tokens = tail_final.outputs[0]
+                    if any(t < self.eot for t in tail_tokens.token_ids):  # the tail brought text
+                        out += self.segments(tokens, start, window.end, upto=cut + 1)
+                        start, tokens = seek_at, tail_tokens
+                        continue
+            out += self.segments(tokens, start, window.end)
+            return out
+        return out
+
+    def segments(self, out: Any, start: float, end: float, upto: int | None = None) -> list[formats.Segment]:
+        logprobs = [(lp.get(t).logprob if lp and lp.get(t) is not None else None)
+                    for t, lp in zip(out.token_ids, out.logprobs or [])]
+        return formats.window_segments(out.token_ids[:upto], logprobs, self._decode,
+                                       timestamp_begin=self.timestamp_begin, eot=self.eot, window_start=start,
+                                       window_end=end)
+
+    def _decode(self, tokens: list[int]) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(tokens)
+
+    def separator(self, request: Any) -> str:
+        """Between windows' texts: nothing for languages written without spaces, else one space (as vLLM)."""
+        language = (request.language or "").lower()
+        return "" if language and language in self.model_cls.no_space_languages else " "
+
+    async def stream(self, request: Any, data: bytes) -> AsyncIterator[str]:
+        """OpenAI's typed stream as server-sent events: transcript.text.delta events, then transcript.text.done
+        with the whole text and the token usage, then [DONE]. Windows are decoded one after another, so the deltas
+        come in the clip's order. Validation and audio errors come before the first byte (a 4xx)."""
+        self.validate(request)
+        windows, duration = await self.windows(data)
+        return self._events(request, windows, duration)
+
+    async def _events(self, request: Any, windows: Sequence[Window], duration: float) -> AsyncIterator[str]:
+        params = self.sampling(request, False)
+        separator = self.separator(request)
+        audio_tokens = self.model_cls.get_num_audio_tokens(duration, self.asr, self.model_config) or 0
+        prompt_tokens = [0] * len(windows)
+        output_tokens = 0
+        pieces: list[str] = []
+        base = f"mmcpu-stt-{self.task}-{uuid.uuid4().hex}"
+        current = ""
+        try:
+            for i, window in enumerate(windows):
+                current = f"{base}-{i}"
+                post = self.model_cls.get_streaming_post_processor_cls()()
+                first = True
+                async for res in self.engine.generate(self.prompt(request, window.audio, False), params, current):
+                    if res.prompt_token_ids is not None:
+                        prompt_tokens[i] = len(res.prompt_token_ids)
+                    out = res.outputs[0]
+                    output_tokens += len(out.token_ids)
+                    delta = post.process_delta(out.text, out.finish_reason is not None)
+                    if not delta:
+                        continue  # OpenAI sends no empty deltas
+                    if i > 0 and first:
+                        delta = separator + delta
+                    first = False
+                    pieces.append(delta)
+                    yield f"data: {TextDeltaEvent(delta=delta).model_dump_json(exclude_none=True)}\n\n"
+            text_tokens = sum(prompt_tokens)
+            usage = StreamUsage(input_tokens=text_tokens + audio_tokens, output_tokens=output_tokens,
+                                total_tokens=text_tokens + audio_tokens + output_tokens,
+                                input_token_details=StreamInputTokenDetails(audio_tokens=audio_tokens,
+                                                                            text_tokens=text_tokens))
+            done = TextDoneEvent(text="".join(pieces), usage=usage)
+            yield f"data: {done.model_dump_json(exclude_none=True)}\n\n"
+        except asyncio.CancelledError:
+            await asyncio.gather(self.engine.abort([current]), return_exceptions=True)
+            raise
+        except Exception as exc:  # the status is sent: the error goes as an event, as vLLM's stream does
+            logger.exception("mmcpu.stt stream failed")
+            error = {"error": {"message": str(exc) or type(exc).__name__, "type": "InternalServerError",
+                               "param": None, "code": 500}}
+            yield f"data: {json.dumps(error)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False)

@@ -1,0 +1,112 @@
+"""mmcpu.stt without an engine: segments from a timestamped decode, the subtitle documents (parsed by the `srt` and
+`webvtt-py` libraries), and how the launcher loads the endpoint plugin. tests/test_stt_plugin.py serves it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import tomllib
+from pathlib import Path
+
+import pytest
+import srt
+import webvtt
+
+from mmcpu import launch
+from mmcpu.config import Settings
+from mmcpu.stt import PLUGIN_NAME, formats
+from mmcpu.stt.plugin import SttPlugin
+
+TS, EOT = 1000, 900  # timestamp_begin and eot of a toy vocabulary: <|0.00|> = 1000, <|0.02|> = 1001, ...
+
+
+def ts(seconds: float) -> int:
+    return TS + round(seconds / formats.TIMESTAMP_STEP_S)
+
+
+def decode(tokens: list[int]) -> str:
+    return "".join(f" w{t}" for t in tokens)
+
+
+def segments(tokens: list[int], start: float = 10.0, end: float = 40.0) -> list[formats.Segment]:
+    return formats.window_segments(tokens, [-0.5] * len(tokens), decode, timestamp_begin=TS, eot=EOT,
+                                   window_start=start, window_end=end)
+
+
+def test_segments_between_timestamps_in_clip_time():
+    out = segments([ts(0), 1, 2, ts(2.5), ts(3), 3, ts(4.2), EOT, 5])
+    assert [(s.start, s.end, s.text) for s in out] == [(10.0, 12.5, " w1 w2"), (13.0, 14.2, " w3")]
+    assert out[0].seek == 1000 and out[0].tokens == [1, 2] and out[0].avg_logprob == -0.5
+    # as OpenAI's verbose_json segment, numbered by the caller
+    assert formats.Segment.as_openai(out[1], 7, 0.0)["id"] == 7
+
+
+def test_text_after_the_last_timestamp_is_kept_to_the_window_end():
+    out = segments([ts(0), 1, ts(1), 2, 3])
+    assert [(s.start, s.end, s.text) for s in out] == [(10.0, 11.0, " w1"), (11.0, 40.0, " w2 w3")]
+
+
+def test_times_stay_in_the_window():
+    (seg,) = segments([ts(29.9), 1, ts(29.98)], start=0.0, end=20.0)
+    assert (seg.start, seg.end) == (20.0, 20.0)
+    assert segments([ts(0), ts(1), EOT]) == []  # no text, no segment
+
+
+HOSTILE = [" first line\n\nsecond line", " a --> b", " <b>bold</b> & co", "   "]
+
+
+def cues_of(document: str, fmt: str) -> list[tuple[float, float, str]]:
+    if fmt == "srt":
+        return [(c.start.total_seconds(), c.end.total_seconds(), c.content) for c in srt.parse(document)]
+    return [(c.start_in_seconds, c.end_in_seconds, c.text) for c in webvtt.from_string(document)]
+
+
+@pytest.mark.parametrize("fmt", ["srt", "vtt"])
+def test_subtitles_parse_whatever_the_text(fmt):
+    segs = [formats.Segment(i, i + 0.5, text, [], 0.0, 0) for i, text in enumerate(HOSTILE)]
+    cues = cues_of(formats.subtitles(segs, fmt), fmt)
+    texts = [c[2] for c in cues]
+    # one line per cue, no timing line inside
+    assert texts[:2] == ["first line second line", "a -> b" if fmt == "srt" else "a -&gt; b"], texts
+    # WebVTT's markup characters are escaped, so a player shows them instead of reading a tag (webvtt-py gives the
+    # cue text as written); SRT has no escapes
+    assert texts[2] == ("<b>bold</b> & co" if fmt == "srt" else "&lt;b&gt;bold&lt;/b&gt; &amp; co")
+    assert len(cues) == 3  # the blank segment makes no cue
+    assert [c[0] for c in cues] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fmt", ["srt", "vtt"])
+def test_silence_is_an_empty_document_not_an_empty_cue(fmt):
+    document = formats.subtitles([], fmt)
+    assert cues_of(document, fmt) == []
+    assert document == ("" if fmt == "srt" else "WEBVTT\n\n")
+
+
+def test_vllm_plugins_named_only_when_the_package_serves_speech():
+    plugin = Settings(stt_routes="plugin")
+    assert launch.plugins_env(Settings(), "audio", None) is None  # the default: vLLM's routes, nothing changes
+    assert launch.plugins_env(plugin, "vision", None) is None
+    assert launch.plugins_env(plugin, "audio", None) == f"mmcpu,{PLUGIN_NAME}"
+    assert launch.plugins_env(plugin, "audio", "mmcpu,other") == f"mmcpu,other,{PLUGIN_NAME}"
+
+
+def test_the_launcher_refuses_a_plugin_that_is_missing_or_broken(monkeypatch):
+    declared = tomllib.loads(Path("pyproject.toml").read_text())["project"]["entry-points"]["vllm.endpoint_plugins"]
+    assert declared == {PLUGIN_NAME: "mmcpu.stt.plugin:factory"}
+    real = importlib.metadata.EntryPoint(PLUGIN_NAME, declared[PLUGIN_NAME], "vllm.endpoint_plugins")
+
+    def installed(*points):
+        monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: list(points))
+
+    installed(real)
+    assert launch.stt_plugin_preflight() is None
+    assert isinstance(real.load()(), SttPlugin)
+    installed()
+    assert "not installed" in launch.stt_plugin_preflight()
+    installed(importlib.metadata.EntryPoint(PLUGIN_NAME, "mmcpu.stt.nowhere:factory", "vllm.endpoint_plugins"))
+    assert "does not load" in launch.stt_plugin_preflight()
+    # preflight asks only under MMCPU_STT_ROUTES=plugin
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert launch.preflight(Settings(runner="v2", triton_interpret=False), env={"CXX": "/bin/true"}) is None
+    reason = launch.preflight(Settings(runner="v2", triton_interpret=False, stt_routes="plugin"),
+                              env={"CXX": "/bin/true"})
+    assert reason and "does not load" in reason
