@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,6 +29,15 @@ from mmcpu.proc import stop_group, tree_rss
 from mmcpu_dev.shell import free_port  # one definition, stdlib only: the host scripts use it too
 
 MRV2_LOG_LINE = "Using V2 Model Runner"
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.02) -> float:
+    """Seconds until ``predicate()`` holds; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(poll_s)
+    return time.monotonic() - start
 
 
 def wait_until_ok(url: str, proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> None:

@@ -37,7 +37,7 @@ from mmcpu.gateway.routes.proxy import _ModelField
 from mmcpu.gateway.upstream import RECHECK_S
 from mmcpu_dev.payloads import image_chat_kwargs, transcription_kwargs
 from mmcpu_dev.payloads import test_image as make_image
-from mmcpu_dev.servers import ServedApp, wait_until_ok
+from mmcpu_dev.servers import ServedApp, wait_for, wait_until_ok
 
 AUDIO_MODEL = "whisper-test"
 VISION_MODEL = "llava-test"
@@ -538,15 +538,6 @@ def test_health_ok(gateway: ServedApp) -> None:
     r = httpx.get(f"{gateway.url}/health")
     assert r.status_code == 200
     assert r.json()["down"] == [] and r.json()["engines"]["vision"]["up"] is True
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> float:
-    """Seconds until ``predicate()`` holds; fails after ``timeout_s``."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def timed(method: str, url: str, **kwargs: Any) -> tuple[httpx.Response, float]:

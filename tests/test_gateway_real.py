@@ -6,7 +6,6 @@ import contextlib
 import json
 import socket
 import threading
-import time
 
 import httpx
 import openai
@@ -18,7 +17,7 @@ from mmcpu_dev.checks import WER_LIMIT, expect_client_error, subtitle_text
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
 from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu_dev.servers import Engine, ServedApp
+from mmcpu_dev.servers import Engine, ServedApp, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -112,14 +111,6 @@ def running_requests(engine: Engine) -> float:
     return engine_sample(engine, "vllm:num_requests_running")
 
 
-def _wait(predicate, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
-        time.sleep(0.1)
-    return time.monotonic() - start
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
 def test_client_disconnect_aborts_the_engine_request(gateway, llava_engine, stream):
     """A long generation (ignore_eos, most of the model length) whose client hangs up once the engine runs it:
@@ -148,7 +139,8 @@ def test_client_disconnect_aborts_the_engine_request(gateway, llava_engine, stre
                                   daemon=True)
         thread.start()
     assert finished.wait(90), "the client did not get to hang up"
-    took = _wait(lambda: running_requests(llava_engine) == 0, 15, "the engine's running count to drop")
+    took = wait_for(lambda: running_requests(llava_engine) == 0, 15, "the engine's running count to drop",
+                    poll_s=0.1)
     tokens = engine_sample(llava_engine, "vllm:generation_tokens_total") - generated
     print(f"\n[{'streamed' if stream else 'non-streamed'}: engine request aborted {took:.2f} s after the hang-up, "
           f"{tokens:.0f} of {max_tokens} tokens generated]")
@@ -163,5 +155,5 @@ def _nonstream_hangup(gateway, body, engine, finished) -> None:
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        _wait(lambda: running_requests(engine) == 1, 60, "the request to run")
+        wait_for(lambda: running_requests(engine) == 1, 60, "the request to run", poll_s=0.1)
     finished.set()

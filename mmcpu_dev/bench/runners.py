@@ -236,14 +236,7 @@ class CpuWatch:
 
     @staticmethod
     def _ours() -> float:
-        me, total = psutil.Process(), 0.0
-        for proc in [me, *me.children(recursive=True)]:
-            try:
-                c = proc.cpu_times()
-                total += c.user + c.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return tree_cpu_s([os.getpid()])
 
     def stop(self) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-6)
