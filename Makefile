@@ -23,7 +23,7 @@ KUBECTL_REQS = deploy/kubernetes/kubectl-requirements.txt
 PYTEST_ARGS ?=
 OVERLAYS ?=
 
-.PHONY: venv venv-proof models test test-quick latency lock clean-venv k8s-check settings-doc patches-doc
+.PHONY: venv venv-proof models lint test test-quick latency lock clean-venv k8s-check settings-doc patches-doc
 venv:
 	VLLM_VERSION=$(VLLM_VERSION) MMCPU_EDITABLE=1 scripts/bootstrap-venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c $(LOCK) -e '.[test]'
@@ -45,10 +45,20 @@ models: venv
 	$(PY) -m mmcpu_dev.fixtures all
 
 # bench-venv holds faster-whisper: the reference the timestamp, word-timing and VAD tests compare against.
-test: models venv-proof bench-venv
+# The lint and type gate (configuration in pyproject.toml and .hadolint.yaml); part of every test run.
+SHELL_SCRIPTS := scripts/bootstrap-venv scripts/docker-e2e scripts/docker-engine scripts/k8s-render \
+	scripts/seed-base-image scripts/vllm-patch .ci/run .ci/bare-host
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/shellcheck -x -P SCRIPTDIR $(SHELL_SCRIPTS)
+	$(VENV)/bin/hadolint docker/Dockerfile
+
+test: models venv-proof bench-venv lint
 	$(PY) -m pytest -v --durations=15 $(PYTEST_ARGS)
 
-test-quick: venv
+test-quick: lint
 	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
 latency: models

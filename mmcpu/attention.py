@@ -55,7 +55,7 @@ EXTEND_ISA = "avx512_bf16"  # the CPU flag of the _C build that has extend_atten
 def _c_op(name: str):
     try:
         import vllm._custom_ops  # noqa: F401  (loads the _C build vLLM picks for this CPU)
-    except Exception:  # noqa: BLE001 - no vLLM: only the torch paths exist
+    except Exception:
         return None
     return getattr(torch.ops._C, name, None) if hasattr(torch.ops, "_C") else None
 
@@ -78,9 +78,9 @@ def segments(b: int, s: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int,
     if cu_seqlens is None:
         return [(i * s, s) for i in range(b)] if s else []
     cu = [int(x) for x in cu_seqlens.tolist()]
-    if cu[0] != 0 or cu[-1] != s or any(y < x for x, y in zip(cu, cu[1:])):
+    if cu[0] != 0 or cu[-1] != s or any(y < x for x, y in zip(cu, cu[1:], strict=False)):
         raise ValueError(f"cu_seqlens {cu} does not split a sequence of {s}")
-    return [(i * s + x, y - x) for i in range(b) for x, y in zip(cu, cu[1:]) if y > x]
+    return [(i * s + x, y - x) for i in range(b) for x, y in zip(cu, cu[1:], strict=False) if y > x]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,14 +91,20 @@ def sdpa_strided(q, k, v, scale, cu_seqlens=None, enable_gqa=False):
     """vLLM 0.32's CPU path as shipped: SDPA on transposed (non-contiguous) views, one call per segment."""
 
     def one(q_, k_, v_):
-        o = F.scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
-                                           dropout_p=0.0, scale=scale, enable_gqa=enable_gqa)
+        o = F.scaled_dot_product_attention(
+            q_.transpose(1, 2),
+            k_.transpose(1, 2),
+            v_.transpose(1, 2),
+            dropout_p=0.0,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
         return o.transpose(1, 2)
 
     if cu_seqlens is None:
         return one(q, k, v).contiguous()
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    parts = zip(*(torch.split(x, lens, dim=1) for x in (q, k, v)))
+    parts = zip(*(torch.split(x, lens, dim=1) for x in (q, k, v)), strict=False)
     return torch.cat([one(*p) for p in parts], dim=1)
 
 
@@ -106,8 +112,11 @@ def sdpa(q, k, v, scale, cu_seqlens=None, enable_gqa=False):
     """torch SDPA with the layout its CPU flash kernel reads fastest: contiguous (b, h, s, d)."""
     b, s, h, d = q.shape
     out = torch.empty((b, s, h, d), dtype=q.dtype)
-    bounds = [(0, s)] if cu_seqlens is None else [
-        (x, y) for x, y in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if y > x]
+    bounds = (
+        [(0, s)]
+        if cu_seqlens is None
+        else [(x, y) for x, y in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=False) if y > x]
+    )
     for x, y in bounds:
         qs, ks, vs = (t[:, x:y].transpose(1, 2).contiguous() for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=0.0, scale=scale, enable_gqa=enable_gqa)
@@ -139,8 +148,25 @@ def extend(q, k, v, scale, cu_seqlens=None, enable_gqa=False):
     # Row i maps segment i's positions to its tokens in k/v (padding clamped to a valid index, never read).
     req_to_token = (starts[:, None] + torch.arange(longest, dtype=torch.int64)[None]).clamp_(max=b * s - 1)
     _c_op("extend_attention_cpu")(
-        qf, None, None, out, kf, vf, req_to_token, torch.arange(len(segs), dtype=torch.int64), lens, lens,
-        starts, longest, float(scale), 0.0, True, -1, lens, None)
+        qf,
+        None,
+        None,
+        out,
+        kf,
+        vf,
+        req_to_token,
+        torch.arange(len(segs), dtype=torch.int64),
+        lens,
+        lens,
+        starts,
+        longest,
+        float(scale),
+        0.0,
+        True,
+        -1,
+        lens,
+        None,
+    )
     return out.view(b, s, h, d)
 
 
@@ -173,18 +199,18 @@ def cpu_attn(q, k, v, scale, cu_seqlens=None, enable_gqa=False):
     kc, vc = cache.view(cache.shape[0], hkv, 2 * bs, d).chunk(2, dim=2)
     # The non-empty segments tile the b * s tokens in order, so token t of segment i goes to slot
     # (first block of i) * bs + (t - start of i) and q/out need no gather.
-    slot = torch.cat([torch.arange(n, dtype=torch.int64) + f * bs for (_, n), f in zip(segs, first)])
+    slot = torch.cat([torch.arange(n, dtype=torch.int64) + f * bs for (_, n), f in zip(segs, first, strict=False)])
     ops.cpu_attn_reshape_and_cache(_flat(k), _flat(v), kc, vc, slot, isa)
     table = torch.zeros((len(segs), max(nblocks)), dtype=torch.int32)
-    for i, (f, nb) in enumerate(zip(first, nblocks)):
+    for i, (f, nb) in enumerate(zip(first, nblocks, strict=False)):
         table[i, :nb] = torch.arange(f, f + nb, dtype=torch.int32)
     lens = torch.tensor([n for _, n in segs], dtype=torch.int32)
     qstart = torch.zeros(len(segs) + 1, dtype=torch.int32)
     torch.cumsum(lens, 0, out=qstart[1:])
-    metadata = ops.cpu_attn_get_scheduler_metadata(len(segs), h, hkv, d, lens, q.dtype, qstart, False, -1, isa,
-                                                   True)
-    ops.cpu_attention_with_kv_cache(qf, kc, vc, out, qstart, lens, float(scale), False, None, -1, table, 0.0,
-                                    metadata, None)
+    metadata = ops.cpu_attn_get_scheduler_metadata(len(segs), h, hkv, d, lens, q.dtype, qstart, False, -1, isa, True)
+    ops.cpu_attention_with_kv_cache(
+        qf, kc, vc, out, qstart, lens, float(scale), False, None, -1, table, 0.0, metadata, None
+    )
     return out.view(b, s, h, d)
 
 
@@ -221,8 +247,9 @@ def unsupported(impl: str, dtype: torch.dtype, head_size: int) -> str | None:
     """Why ``impl`` does not apply to this key at all (its op is not in the loaded build, or the kernel does not
     take this dtype or head size), None if it does: a limit, not a failure."""
     if not has_impl(impl):
-        return "not in this vLLM build" + (f" (only in the build for CPUs with {EXTEND_ISA})" if impl == "extend"
-                                           else "")
+        return "not in this vLLM build" + (
+            f" (only in the build for CPUs with {EXTEND_ISA})" if impl == "extend" else ""
+        )
     if impl == "cpu_attn" and head_size not in CPU_ATTN_HEAD_SIZES:
         return f"head size {head_size} not supported"
     if impl == "extend" and dtype not in (torch.bfloat16, torch.float16):
@@ -250,7 +277,7 @@ def self_check(impl: str, dtype: torch.dtype, head_size: int, num_heads: int, nu
             tol = tolerance(dtype, v.float().abs().max().item())
             if not err <= tol:
                 return f"max abs error {err:.3g} > {tol:.3g}"
-    except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
 
@@ -271,14 +298,27 @@ def choose(dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int
         else:
             impl = "sdpa"
         _choice[key] = impl
-        logger.info("encoder attention %s, head size %d, %d/%d heads: %s%s", str(dtype).replace("torch.", ""),
-                    head_size, num_heads, num_kv_heads, impl, f" (not {'; '.join(why_not)})" if why_not else "")
+        logger.info(
+            "encoder attention %s, head size %d, %d/%d heads: %s%s",
+            str(dtype).replace("torch.", ""),
+            head_size,
+            num_heads,
+            num_kv_heads,
+            impl,
+            f" (not {'; '.join(why_not)})" if why_not else "",
+        )
         return impl
 
 
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                      cu_seqlens: torch.Tensor | None = None, enable_gqa: bool = False,
-                      impl: str | None = None) -> torch.Tensor:
+def encoder_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    enable_gqa: bool = False,
+    impl: str | None = None,
+) -> torch.Tensor:
     """Non-causal attention of (b, s, h, d) q over k, v (per ``cu_seqlens`` segment); contiguous (b, s, h, d)."""
     b, s, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
@@ -291,5 +331,5 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def flops(b: int, s: int, h: int, d: int, cu_seqlens: list[int] | None = None) -> float:
     """Multiply-adds x 2 of QK^T and PV: 4 * h * d * sum(len^2) per batch row."""
-    lens = [s] if cu_seqlens is None else [y - x for x, y in zip(cu_seqlens, cu_seqlens[1:])]
+    lens = [s] if cu_seqlens is None else [y - x for x, y in zip(cu_seqlens, cu_seqlens[1:], strict=False)]
     return 4.0 * b * h * d * math.fsum(n * n for n in lens)

@@ -45,8 +45,10 @@ class CpuInfo:
         return "avx2" if "avx2" in have else "baseline"
 
     def line(self) -> str:
-        return (f"{self.model} ({self.vendor} family {self.family}), {self.cpus} CPUs, isa {self.isa}: "
-                f"{' '.join(self.flags) or 'none of ' + ' '.join(ISA_FLAGS)}")
+        return (
+            f"{self.model} ({self.vendor} family {self.family}), {self.cpus} CPUs, isa {self.isa}: "
+            f"{' '.join(self.flags) or 'none of ' + ' '.join(ISA_FLAGS)}"
+        )
 
     def as_dict(self) -> dict:
         return {**asdict(self), "flags": list(self.flags), "isa": self.isa}
@@ -123,7 +125,7 @@ class Cpus:
         usable = self.allowed[: self.count]
         size = len(usable) // parts
         quota = None if self.quota is None else self.quota / parts
-        return [Cpus(usable[i * size:(i + 1) * size if i < parts - 1 else None], quota) for i in range(parts)]
+        return [Cpus(usable[i * size : (i + 1) * size if i < parts - 1 else None], quota) for i in range(parts)]
 
 
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:

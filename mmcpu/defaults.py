@@ -4,7 +4,8 @@ Machines of one kind come with different CPUs, and what is fastest differs betwe
 avx512_bf16/AMX; int8 GEMMs gain little on AVX2). ``cpu_defaults.json`` holds one row per ISA class
 (:attr:`mmcpu.cpu.CpuInfo.isa`): the audio and vision roles' choice, and where it came from. A measured row is
 written by ``python -m mmcpu_dev.bench defaults`` on a CPU of that class, with every candidate's figures and the
-rule that picked the winner (``mmcpu_dev.bench.rule``; the runtime only reads the table); a row nobody could measure says so and why it holds what it holds.
+rule that picked the winner (``mmcpu_dev.bench.rule``; the runtime only reads the table); a row nobody could measure
+says so and why it holds what it holds.
 
 Settings override the table: ``MMCPU_DTYPE`` (every engine) and ``MMCPU_QUANTIZATION`` (Whisper engines: ``none``
 serves the float checkpoint, ``int8`` the int8 one beside it, ``<model>-int8``, made by ``mmcpu-quantize``).
@@ -94,9 +95,17 @@ class Refused(ValueError):
     """An explicit setting that cannot be honoured: the launcher exits 2 with this one line."""
 
 
-def resolve(role: str, model: str, *, dtype: str | None, quantization: str, speech: bool,
-            apply_table_quantization: bool = True, interpreter: bool = False,
-            info: cpu.CpuInfo | None = None) -> Resolved:
+def resolve(
+    role: str,
+    model: str,
+    *,
+    dtype: str | None,
+    quantization: str,
+    speech: bool,
+    apply_table_quantization: bool = True,
+    interpreter: bool = False,
+    info: cpu.CpuInfo | None = None,
+) -> Resolved:
     """What an engine of ``role`` (audio / vision) serving ``model`` runs with. ``dtype`` / ``quantization`` are
     MMCPU_DTYPE / MMCPU_QUANTIZATION (None / "auto": the table's). Quantisation applies to Whisper (``speech``)
     checkpoints only, the one int8 path this project tests; ``apply_table_quantization=False`` (mmcpu-serve: it
@@ -105,8 +114,9 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
     float32; an explicit MMCPU_DTYPE stays as given."""
     isa, r = row(info)
     choice: Choice = getattr(r, role)
-    source = f"per-CPU default for isa {isa}" + (f" (measured on {r.measured_on}, {r.date})" if r.measured_on
-                                                 else " (not measured on this kind of CPU)")  # fmt: skip
+    source = f"per-CPU default for isa {isa}" + (
+        f" (measured on {r.measured_on}, {r.date})" if r.measured_on else " (not measured on this kind of CPU)"
+    )
     dwhy = "dtype from MMCPU_DTYPE" if dtype else "dtype: " + source
     dtype_from_row = not dtype
     table_dtype = choice.dtype
@@ -125,16 +135,20 @@ def resolve(role: str, model: str, *, dtype: str | None, quantization: str, spee
     served = model
     if is_quantized(Path(model)):
         if quantization == "none":
-            raise Refused(f"MMCPU_QUANTIZATION=none, but {model} is itself a quantised checkpoint; serve its float "
-                          "original instead")
+            raise Refused(
+                f"MMCPU_QUANTIZATION=none, but {model} is itself a quantised checkpoint; serve its float "
+                "original instead"
+            )
         wanted, qwhy, quant_from_row = "int8", "quantization: the checkpoint is quantised", False
     elif wanted == "int8":
         sibling = int8_sibling(model)
         if sibling is not None:
             served = str(sibling)
         elif quantization == "int8":
-            raise Refused(f"MMCPU_QUANTIZATION=int8, but there is no int8 checkpoint beside {model} "
-                          f"(make one: mmcpu-quantize {model} {model}{INT8_SUFFIX})")
+            raise Refused(
+                f"MMCPU_QUANTIZATION=int8, but there is no int8 checkpoint beside {model} "
+                f"(make one: mmcpu-quantize {model} {model}{INT8_SUFFIX})"
+            )
         else:
             wanted, quant_from_row = "none", False
             qwhy = f"quantization none: the default is int8, but no {Path(model).name}{INT8_SUFFIX}"

@@ -52,7 +52,8 @@ def model_kind(model: str) -> str:
     except (OSError, ValueError):
         return "audio" if "whisper" in model.lower() else "vision"
     speech = "whisper" in str(config.get("model_type", "")).lower() or any(
-        "Whisper" in a for a in config.get("architectures") or [])
+        "Whisper" in a for a in config.get("architectures") or []
+    )
     return "audio" if speech else "vision"
 
 
@@ -164,8 +165,12 @@ def token_count(metrics: str) -> float:
     read with prometheus_client's parser: a timestamp after the value or an OpenMetrics ``_created`` sample is
     not taken for the count."""
     # By sample name: the family is named without _total when a TYPE line says counter, with it when none does.
-    return sum(sample.value for family in text_string_to_metric_families(metrics) for sample in family.samples
-               if sample.name in TOKEN_COUNTERS)
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name in TOKEN_COUNTERS
+    )
 
 
 def silent_wav(seconds: float = 0.5, rate: int = 16000) -> bytes:
@@ -180,9 +185,15 @@ def silent_wav(seconds: float = 0.5, rate: int = 16000) -> bytes:
 
 def multipart(fields: dict[str, str], file: bytes) -> tuple[bytes, str]:
     boundary = uuid.uuid4().hex
-    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()]
-    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="probe.wav"\r\n'
-                 "Content-Type: audio/wav\r\n\r\n".encode() + file + b"\r\n")
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()
+    ]
+    parts.append(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="probe.wav"\r\n'
+        "Content-Type: audio/wav\r\n\r\n".encode()
+        + file
+        + b"\r\n"
+    )
     return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
 
 
@@ -204,8 +215,16 @@ def progress_check(kind: str, port: int, timeout: float, probe_s: float, before:
     t0 = time.monotonic()
     try:
         if kind == "audio":
-            body, ctype = multipart({"model": model, "language": "en", "max_completion_tokens": "1",
-                                     "temperature": "0", "response_format": "json"}, silent_wav())
+            body, ctype = multipart(
+                {
+                    "model": model,
+                    "language": "en",
+                    "max_completion_tokens": "1",
+                    "temperature": "0",
+                    "response_format": "json",
+                },
+                silent_wav(),
+            )
             request(f"{base}/v1/audio/transcriptions", probe_s, body, {"Content-Type": ctype})
         else:
             body = json.dumps({"model": model, "prompt": "a", "max_tokens": 1, "temperature": 0}).encode()

@@ -48,8 +48,13 @@ def main() -> int:
             if name == health.GATEWAY:
                 results[name] = probe_gateway(ports[name], settings.health_timeout_s)
             else:
-                results[name] = health.probe_engine(engines[name].kind, ports[name], settings.health_timeout_s,
-                                                    settings.health_probe_s, health.watchdog_fresh_s(settings))
+                results[name] = health.probe_engine(
+                    engines[name].kind,
+                    ports[name],
+                    settings.health_timeout_s,
+                    settings.health_probe_s,
+                    health.watchdog_fresh_s(settings),
+                )
         except health.NotServed:
             # Auto-detection: a refused port is not this container's. A named role's port must answer.
             if wanted is not None:

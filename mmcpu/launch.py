@@ -31,7 +31,6 @@ from mmcpu.health import ROLE_FILE, model_kind
 from mmcpu.names import served_name
 from mmcpu.supervisor import Process, supervise, watchdogs
 
-
 # vLLM's media connector the plugin registers (mmcpu.media.connector.NAME; not imported here: it imports vLLM).
 MEDIA_CONNECTOR = "mmcpu"
 
@@ -71,8 +70,9 @@ def placement(settings: Settings, cpus: Cpus) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
 
 
-def engine_env(settings: Settings, base: dict[str, str] | None = None, cpus: Cpus | None = None,
-               port: int | None = None) -> dict[str, str]:
+def engine_env(
+    settings: Settings, base: dict[str, str] | None = None, cpus: Cpus | None = None, port: int | None = None
+) -> dict[str, str]:
     """Environment for one vLLM CPU engine computing on ``cpus`` (default: this process's), serving ``port``."""
     env = dict(os.environ if base is None else base)
     if port is not None:
@@ -110,15 +110,21 @@ def preflight(settings: Settings, env: dict[str, str] | None = None) -> str | No
     whose kernels would not all run natively (:func:`kernels_preflight`)."""
     if not cxx_compiler(env):
         if settings.runner == "v1":
-            return ("MMCPU_RUNNER=v1 needs a C++ compiler (V1's CPU sampler is torch.compile'd by inductor) and "
-                    "there is none here ($CXX / g++); use the default MMCPU_RUNNER=v2, which runs eager")
+            return (
+                "MMCPU_RUNNER=v1 needs a C++ compiler (V1's CPU sampler is torch.compile'd by inductor) and "
+                "there is none here ($CXX / g++); use the default MMCPU_RUNNER=v2, which runs eager"
+            )
         if settings.compile:
-            return ("MMCPU_COMPILE=1 needs a C++ compiler for inductor and there is none here ($CXX / g++); "
-                    "leave it off (eager measured as fast for these models: docs/benchmarks.md)")
+            return (
+                "MMCPU_COMPILE=1 needs a C++ compiler for inductor and there is none here ($CXX / g++); "
+                "leave it off (eager measured as fast for these models: docs/benchmarks.md)"
+            )
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "mmcpu" not in plugins.split(","):
-        return (f"VLLM_PLUGINS={plugins!r} leaves out 'mmcpu', the plugin that registers the media connector "
-                f"(VLLM_MEDIA_CONNECTOR={MEDIA_CONNECTOR}) and installs MRV2's native kernels; add it")
+        return (
+            f"VLLM_PLUGINS={plugins!r} leaves out 'mmcpu', the plugin that registers the media connector "
+            f"(VLLM_MEDIA_CONNECTOR={MEDIA_CONNECTOR}) and installs MRV2's native kernels; add it"
+        )
     if settings.stt_routes == "plugin" and (reason := stt_plugin_preflight()):
         return reason
     if settings.runner == "v2" and settings.triton_interpret:
@@ -135,11 +141,13 @@ def stt_plugin_preflight() -> str | None:
 
     found = [ep for ep in entry_points(group="vllm.endpoint_plugins") if ep.name == PLUGIN_NAME]
     if not found:
-        return (f"MMCPU_STT_ROUTES=plugin needs the vllm.endpoint_plugins entry point {PLUGIN_NAME!r}, which is not "
-                "installed: reinstall mmcpu (pip install -e .) so that its metadata has it")
+        return (
+            f"MMCPU_STT_ROUTES=plugin needs the vllm.endpoint_plugins entry point {PLUGIN_NAME!r}, which is not "
+            "installed: reinstall mmcpu (pip install -e .) so that its metadata has it"
+        )
     try:
         found[0].load()()
-    except Exception as exc:  # noqa: BLE001 - any failure to load is the reason to refuse
+    except Exception as exc:
         return f"MMCPU_STT_ROUTES=plugin: the {PLUGIN_NAME} plugin does not load: {type(exc).__name__}: {exc}"
     return None
 
@@ -164,14 +172,20 @@ def kernels_preflight(settings: Settings) -> str | None:
         return None
     from mmcpu.kernels import check
 
-    problems, _how = check.cached(on_run=lambda: print(
-        "[mmcpu] checking MRV2's kernels against the installed vLLM (once per install, ~10 s of CPU)",
-        file=sys.stderr, flush=True))
+    problems, _how = check.cached(
+        on_run=lambda: print(
+            "[mmcpu] checking MRV2's kernels against the installed vLLM (once per install, ~10 s of CPU)",
+            file=sys.stderr,
+            flush=True,
+        )
+    )
     if not problems:
         return None
     more = f" (+{len(problems) - 1} more: python -m mmcpu.kernels check)" if len(problems) > 1 else ""
-    return (f"MRV2 kernel without a native version for this vLLM: {problems[0]}{more}; MMCPU_KERNELS=interpreter "
-            "runs vLLM's own kernels in Triton's interpreter instead (10-100x slower)")
+    return (
+        f"MRV2 kernel without a native version for this vLLM: {problems[0]}{more}; MMCPU_KERNELS=interpreter "
+        "runs vLLM's own kernels in Triton's interpreter instead (10-100x slower)"
+    )
 
 
 # Whisper's timestamp rules for verbose_json / srt / vtt (mmcpu/whisper_timestamps.py): an MRV2 logits processor,
@@ -202,16 +216,26 @@ def engine_argv(
     given."""
     kind = kind or model_kind(model)
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model,
-        "--served-model-name", served_model_name or served_name(model),
-        "--host", settings.host,
-        "--port", str(port),
-        "--dtype", dtype,
-        "--kv-cache-memory-bytes", str(int(settings.kvcache_gib * 2**30)),
-        "--mm-processor-cache-gb", f"{mm_cache_gib(settings):g}",
-        "--distributed-executor-backend", settings.executor,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        served_model_name or served_name(model),
+        "--host",
+        settings.host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--kv-cache-memory-bytes",
+        str(int(settings.kvcache_gib * 2**30)),
+        "--mm-processor-cache-gb",
+        f"{mm_cache_gib(settings):g}",
+        "--distributed-executor-backend",
+        settings.executor,
+    ]
     if settings.max_model_len:
         argv += ["--max-model-len", str(settings.max_model_len)]
     if not settings.compile:
@@ -234,9 +258,15 @@ def choose(kind: str, model: str, settings: Settings, *, from_table: bool = True
     """The checkpoint, dtype and quantisation of an engine of ``kind`` (audio / vision) serving ``model``: the
     per-CPU table (mmcpu/cpu_defaults.json) unless MMCPU_DTYPE / MMCPU_QUANTIZATION say otherwise. Raises
     defaults.Refused."""
-    return defaults.resolve(kind, model, dtype=settings.dtype, quantization=settings.quantization,
-                            speech=kind == "audio", apply_table_quantization=from_table,
-                            interpreter=settings.kernels == "interpreter")
+    return defaults.resolve(
+        kind,
+        model,
+        dtype=settings.dtype,
+        quantization=settings.quantization,
+        speech=kind == "audio",
+        apply_table_quantization=from_table,
+        interpreter=settings.kernels == "interpreter",
+    )
 
 
 @dataclass(frozen=True)
@@ -267,8 +297,15 @@ class EngineSpec:
 
     def argv(self, settings: Settings, chosen: defaults.Resolved) -> list[str]:
         """vLLM's command line, loading what :meth:`choose` resolved under the model's own name."""
-        return engine_argv(chosen.model, settings, port=self.port, extra=list(self.args), dtype=chosen.dtype,
-                           served_model_name=self.served_model_name or served_name(self.model), kind=self.kind)
+        return engine_argv(
+            chosen.model,
+            settings,
+            port=self.port,
+            extra=list(self.args),
+            dtype=chosen.dtype,
+            served_model_name=self.served_model_name or served_name(self.model),
+            kind=self.kind,
+        )
 
     def env(self, settings: Settings, base: dict[str, str] | None = None) -> dict[str, str]:
         return engine_env(settings, base, self.cpus or Cpus.current(), self.port)
@@ -290,8 +327,10 @@ def role_specs(role: str, settings: Settings, cpus: Cpus | None = None) -> list[
     roles = {name: r for name, r in settings.roles.items() if role in (name, health.ALL)}
     cpus = cpus or Cpus.current()
     parts = cpus.split(len(roles)) if role == health.ALL and roles else [cpus] * len(roles)
-    return [EngineSpec(name, r.model, r.port, tuple(shlex.split(r.args)), part, r.kind or "")
-            for (name, r), part in zip(roles.items(), parts)]
+    return [
+        EngineSpec(name, r.model, r.port, tuple(shlex.split(r.args)), part, r.kind or "")
+        for (name, r), part in zip(roles.items(), parts, strict=False)
+    ]
 
 
 def role_choices(role: str, settings: Settings) -> dict[str, defaults.Resolved]:
@@ -303,8 +342,14 @@ def gateway_process(base: dict[str, str] | None = None) -> Process:
     return Process(health.GATEWAY, [sys.executable, "-m", "mmcpu.gateway"], dict(os.environ if base is None else base))
 
 
-def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None = None, cpus: Cpus | None = None,
-                  chosen: dict[str, defaults.Resolved] | None = None) -> list[Process]:
+def role_commands(
+    role: str,
+    settings: Settings,
+    *,
+    base: dict[str, str] | None = None,
+    cpus: Cpus | None = None,
+    chosen: dict[str, defaults.Resolved] | None = None,
+) -> list[Process]:
     """Every process a container role runs: its engines (:func:`role_specs`), then the gateway for ``gateway``
     and ``all``. ``chosen``: :func:`role_choices`, when the caller has it already."""
     specs = role_specs(role, settings, cpus)
@@ -317,8 +362,13 @@ def role_commands(role: str, settings: Settings, *, base: dict[str, str] | None 
 
 def run(children: list[Process], role: str, settings: Settings, specs: list[EngineSpec]) -> int:
     # Always as children, never exec: only a parent can tell a requested stop from a death (mmcpu.supervisor).
-    return supervise(children, role, drain_s=settings.drain_s, ports={s.name: s.port for s in specs},
-                     watch=watchdogs(settings, [s.target for s in specs]))
+    return supervise(
+        children,
+        role,
+        drain_s=settings.drain_s,
+        ports={s.name: s.port for s in specs},
+        watch=watchdogs(settings, [s.target for s in specs]),
+    )
 
 
 def log_cpu(role: str) -> None:
@@ -350,9 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[mmcpu] refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     child = spec.process(settings, chosen)
-    print(f"[mmcpu] runner={settings.runner} executor={settings.executor} kvcache={settings.kvcache_gib:g}GiB: "
-          f"{shlex.join(child.argv)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[mmcpu] runner={settings.runner} executor={settings.executor} kvcache={settings.kvcache_gib:g}GiB: "
+        f"{shlex.join(child.argv)}",
+        file=sys.stderr,
+        flush=True,
+    )
     log_cpu("engine")
     print(chosen.line("engine"), file=sys.stderr, flush=True)
     return run([child], "engine", settings, [spec])

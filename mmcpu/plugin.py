@@ -11,7 +11,8 @@ registers :class:`mmcpu.media.connector.PolicyMediaConnector` in its ``MEDIA_CON
 (the launcher sets ``VLLM_MEDIA_CONNECTOR=mmcpu``; docs/security.md). It also waits for vLLM's CPU worker module to
 be imported - only a process that builds a CPU worker imports it: the EngineCore with the uniproc executor, the
 worker with ``mp``; never the API server. Then, whatever the runner, it adds one method to ``CPUWorker``,
-:data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention pass of Whisper's word timestamps, which the API server calls with ``collective_rpc`` (patches/0022). With
+:data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention pass of Whisper's word timestamps, which the API server
+calls with ``collective_rpc`` (patches/0022). With
 ``TRITON_INTERPRET=1`` (without it there is no interpreter to replace) it also wraps three methods of
 ``CPUWorker``:
 
@@ -59,8 +60,10 @@ def register() -> None:
 def add_media_connector(module: ModuleType) -> None:
     """Register :class:`mmcpu.media.connector.PolicyMediaConnector` in the module's ``MEDIA_CONNECTOR_REGISTRY``."""
     if not hasattr(module, "MEDIA_CONNECTOR_REGISTRY"):
-        raise RuntimeError(f"mmcpu plugin: this vLLM's {CONNECTOR_MODULE} has no MEDIA_CONNECTOR_REGISTRY: the media "
-                           "URL policy and size limits cannot be installed (mmcpu/media)")
+        raise RuntimeError(
+            f"mmcpu plugin: this vLLM's {CONNECTOR_MODULE} has no MEDIA_CONNECTOR_REGISTRY: the media "
+            "URL policy and size limits cannot be installed (mmcpu/media)"
+        )
     import mmcpu.media.connector  # noqa: F401 - registers itself
 
 
@@ -79,8 +82,10 @@ def hook_cpu_worker(module: ModuleType) -> None:
     missing = [f"{name}()" for name in HOOKED_METHODS if not callable(getattr(cls, name, None))]
     if cls is None or missing:
         what = "no CPUWorker class" if cls is None else f"CPUWorker without {', '.join(missing)}"
-        raise RuntimeError(f"mmcpu plugin: this vLLM's {WORKER_MODULE} has {what}: MRV2's native kernels cannot "
-                           "be installed (mmcpu/plugin.py)")
+        raise RuntimeError(
+            f"mmcpu plugin: this vLLM's {WORKER_MODULE} has {what}: MRV2's native kernels cannot "
+            "be installed (mmcpu/plugin.py)"
+        )
     if getattr(cls, "_mmcpu_hooked", False):
         return
     init_device, warm_up, shutdown = (getattr(cls, name) for name in HOOKED_METHODS)

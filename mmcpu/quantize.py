@@ -72,10 +72,14 @@ def scheme(activations: str) -> Any:
     dynamic = activations == "dynamic"
     return QuantizationScheme(
         targets=list(TARGETS),
-        weights=QuantizationArgs(num_bits=8, type=QuantizationType.INT, strategy=QuantizationStrategy.CHANNEL,
-                                 symmetric=True, dynamic=False),
+        weights=QuantizationArgs(
+            num_bits=8, type=QuantizationType.INT, strategy=QuantizationStrategy.CHANNEL, symmetric=True, dynamic=False
+        ),
         input_activations=QuantizationArgs(
-            num_bits=8, type=QuantizationType.INT, symmetric=True, dynamic=dynamic,
+            num_bits=8,
+            type=QuantizationType.INT,
+            symmetric=True,
+            dynamic=dynamic,
             strategy=QuantizationStrategy.TOKEN if dynamic else QuantizationStrategy.TENSOR,
         ),
     )
@@ -154,7 +158,7 @@ def load_audio(path: Path) -> Any:
         raise QuantizeError(f"calibration clip {path}: no such file")
     try:
         data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
-    except Exception as exc:  # noqa: BLE001 - libsndfile's errors have no common base worth naming
+    except Exception as exc:
         raise QuantizeError(f"calibration clip {path}: not readable audio ({str(exc).splitlines()[0]})") from None
     audio = data.mean(axis=1)
     if audio.size == 0:
@@ -180,8 +184,9 @@ def sha256_files(paths: Iterable[Path]) -> str:
 
 
 # --- calibration -----------------------------------------------------------------------------------
-def calibrate(model: torch.nn.Module, src: Path, clips: Sequence[tuple[str, Any]],
-              layers: Sequence[str]) -> dict[str, float]:
+def calibrate(
+    model: torch.nn.Module, src: Path, clips: Sequence[tuple[str, Any]], layers: Sequence[str]
+) -> dict[str, float]:
     """Absolute maximum of each layer's input while the float ``model`` transcribes ``clips`` ((name, 16 kHz
     audio) pairs; greedy, one at a time: the encoder over the padded 30 s window, the decoder over the tokens it
     generates)."""
@@ -206,8 +211,9 @@ def calibrate(model: torch.nn.Module, src: Path, clips: Sequence[tuple[str, Any]
         with torch.inference_mode():
             for name, audio in clips:
                 features = extractor(audio, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
-                tokens = model.generate(features.to(model.dtype), max_new_tokens=CALIBRATION_MAX_NEW_TOKENS,
-                                        do_sample=False)
+                tokens = model.generate(
+                    features.to(model.dtype), max_new_tokens=CALIBRATION_MAX_NEW_TOKENS, do_sample=False
+                )
                 _log(f"calibrated on {name}: {tokens.shape[-1]} tokens")
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -228,8 +234,9 @@ class Result:
     input_absmax: dict[str, float] | None  # static only
 
 
-def quantize(src: Path, dst: Path, *, activations: str = "dynamic", calibration: Sequence[Path] = (),
-             force: bool = False) -> Result:
+def quantize(
+    src: Path, dst: Path, *, activations: str = "dynamic", calibration: Sequence[Path] = (), force: bool = False
+) -> Result:
     """Write the int8 checkpoint of ``src`` to ``dst`` (see the module docstring); returns what it did."""
     src, dst = Path(src), Path(dst)
     if activations not in ACTIVATIONS:
@@ -294,14 +301,22 @@ def quantize(src: Path, dst: Path, *, activations: str = "dynamic", calibration:
         if not (tmp / "generation_config.json").exists() and (src / "generation_config.json").exists():
             shutil.copy2(src / "generation_config.json", tmp / "generation_config.json")
         meta = {
-            "tool": "mmcpu-quantize", "revision": REVISION, "compressed_tensors": ct_version,
-            "source": str(src.resolve()), "source_sha256": sha256_files(weight_files(src)),
-            "format": FORMAT, "weights": "int8 symmetric per output channel",
+            "tool": "mmcpu-quantize",
+            "revision": REVISION,
+            "compressed_tensors": ct_version,
+            "source": str(src.resolve()),
+            "source_sha256": sha256_files(weight_files(src)),
+            "format": FORMAT,
+            "weights": "int8 symmetric per output channel",
             "activations": activations,
-            "input_scales": ("int8 symmetric per token, at run time" if activations == "dynamic"
-                             else "int8 symmetric per tensor, absmax over the calibration clips"),
+            "input_scales": (
+                "int8 symmetric per token, at run time"
+                if activations == "dynamic"
+                else "int8 symmetric per tensor, absmax over the calibration clips"
+            ),
             "calibration": [{"name": c.name, "sha256": sha256_files([c])} for c in calibration],
-            "layers": layers, "float": ["conv1", "conv2", "embed_positions", "embed_tokens", "layer norms", *IGNORE],
+            "layers": layers,
+            "float": ["conv1", "conv2", "embed_positions", "embed_tokens", "layer norms", *IGNORE],
         }
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
         _publishable(tmp)
@@ -313,8 +328,10 @@ def quantize(src: Path, dst: Path, *, activations: str = "dynamic", calibration:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log(f"wrote {dst}: {len(layers)} linear layers int8 (W8A8, activations {activations}), "
-         f"{sum(p.stat().st_size for p in dst.glob('*.safetensors')) / 2**20:.1f} MiB of weights")
+    _log(
+        f"wrote {dst}: {len(layers)} linear layers int8 (W8A8, activations {activations}), "
+        f"{sum(p.stat().st_size for p in dst.glob('*.safetensors')) / 2**20:.1f} MiB of weights"
+    )
     return Result(dst, layers, activations, absmax)
 
 
@@ -356,15 +373,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="mmcpu-quantize", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                     epilog="e.g. mmcpu-quantize whisper-large-v3 whisper-large-v3-int8")
+    parser = _Parser(
+        prog="mmcpu-quantize",
+        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="e.g. mmcpu-quantize whisper-large-v3 whisper-large-v3-int8",
+    )
     parser.add_argument("src", type=Path, metavar="SRC", help="a transformers Whisper checkpoint folder (float)")
     parser.add_argument("dst", type=Path, metavar="DST", help="the folder to write (must not exist, or --force)")
-    parser.add_argument("--activations", choices=ACTIVATIONS, default="dynamic",
-                        help="int8 input scales: per token at run time (dynamic, default) or per layer, "
-                             "calibrated on --calibration clips (static)")
-    parser.add_argument("--calibration", type=Path, nargs="+", default=[], metavar="WAV",
-                        help="speech clips for --activations static (any rate, mono or not; a few will do)")
+    parser.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default="dynamic",
+        help="int8 input scales: per token at run time (dynamic, default) or per layer, "
+        "calibrated on --calibration clips (static)",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="WAV",
+        help="speech clips for --activations static (any rate, mono or not; a few will do)",
+    )
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     args = parser.parse_args(argv)
     try:

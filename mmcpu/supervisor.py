@@ -36,8 +36,7 @@ class Watchdog(threading.Thread):
     before the engine served its first request do not count (vLLM accepts connections while it is still loading),
     and until then only /health is asked."""
 
-    def __init__(self, kind: str, port: int, *, interval: float, failures: int, timeout: float,
-                 probe_s: float) -> None:
+    def __init__(self, kind: str, port: int, *, interval: float, failures: int, timeout: float, probe_s: float) -> None:
         super().__init__(name=f"mmcpu-watchdog-{kind}", daemon=True)
         self.kind, self.port, self.interval, self.failures = kind, port, interval, failures
         self.timeout, self.probe_s = timeout, probe_s
@@ -62,8 +61,10 @@ class Watchdog(threading.Thread):
                     first_failure = time.monotonic()
                 failed.append(str(exc) or "not listening")
                 if len(failed) >= self.failures:
-                    self.verdict = (f"no progress in {len(failed)} checks over "
-                                    f"{time.monotonic() - first_failure + self.probe_s:.0f}s: {failed[-1]}")
+                    self.verdict = (
+                        f"no progress in {len(failed)} checks over "
+                        f"{time.monotonic() - first_failure + self.probe_s:.0f}s: {failed[-1]}"
+                    )
                     return
                 continue
             if self.serving and self.probe_s:
@@ -76,10 +77,17 @@ def watchdogs(settings: Settings, engines: Iterable[health.Target]) -> dict[str,
     """One :class:`Watchdog` per engine child, by its name. ``MMCPU_WATCHDOG_INTERVAL_S=0``: none."""
     if not settings.watchdog_interval_s:
         return {}
-    return {t.name: Watchdog(t.kind, t.port, interval=settings.watchdog_interval_s,
-                             failures=settings.watchdog_failures, timeout=settings.health_timeout_s,
-                             probe_s=settings.health_probe_s)
-            for t in engines}
+    return {
+        t.name: Watchdog(
+            t.kind,
+            t.port,
+            interval=settings.watchdog_interval_s,
+            failures=settings.watchdog_failures,
+            timeout=settings.health_timeout_s,
+            probe_s=settings.health_probe_s,
+        )
+        for t in engines
+    }
 
 
 def supervise(
@@ -122,8 +130,11 @@ def supervise(
                 proc.send_signal(signal.SIGTERM)
 
     def requested(signum: int, frame: object) -> None:
-        print(f"[mmcpu] {role}: {signal.Signals(signum).name}: stopping (in-flight requests may drain)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[mmcpu] {role}: {signal.Signals(signum).name}: stopping (in-flight requests may drain)",
+            file=sys.stderr,
+            flush=True,
+        )
         stop(signum, frame)
 
     signal.signal(signal.SIGTERM, requested)
@@ -133,8 +144,11 @@ def supervise(
         for name, dog in watch.items():
             if dog.verdict and not stopping and name in procs:
                 label = name if name == "engine" else f"{name} engine"
-                print(f"[mmcpu] {role}: {label} hung ({dog.verdict}); killing it and exiting 1",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[mmcpu] {role}: {label} hung ({dog.verdict}); killing it and exiting 1",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 kill_tree(procs[name].pid)
                 rc = 1
                 stop(signal.SIGTERM, None)
@@ -142,8 +156,11 @@ def supervise(
             code = proc.poll()
             if code is None:
                 if name in deadlines and time.monotonic() > deadlines[name]:
-                    print(f"[mmcpu] {role}: {name} still running after its drain time; killing it",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[mmcpu] {role}: {name} still running after its drain time; killing it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     kill_tree(proc.pid)
                     deadlines[name] = float("inf")
                 continue
@@ -154,8 +171,11 @@ def supervise(
                 continue
             rc = exit_status(code) or 1
             why = "its EngineCore died?" if name in engines and code == 0 else "crashed?"
-            print(f"[mmcpu] {role}: {name} exited with {exit_status(code)} without a stop request ({why}); "
-                  f"exiting {rc}", file=sys.stderr, flush=True)
+            print(
+                f"[mmcpu] {role}: {name} exited with {exit_status(code)} without a stop request ({why}); exiting {rc}",
+                file=sys.stderr,
+                flush=True,
+            )
             stop(signal.SIGTERM, None)
         time.sleep(0.5)
     return rc

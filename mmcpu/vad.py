@@ -134,7 +134,7 @@ def request_strategy(extra: Mapping[str, Any] | None, default: Options | None) -
     ``default`` (:func:`default_strategy`)."""
     extra = extra or {}
     prefix = PARAM + "["
-    bracketed = {k[len(prefix):-1]: v for k, v in extra.items() if k.startswith(prefix) and k.endswith("]")}
+    bracketed = {k[len(prefix) : -1]: v for k, v in extra.items() if k.startswith(prefix) and k.endswith("]")}
     options = parse_strategy(extra.get(PARAM), bracketed)
     return default if options is None else options
 
@@ -170,7 +170,8 @@ def load(path: Path):
     if not path.is_file():
         raise VadUnavailable(
             f"Silero VAD model not found at {path}: chunking_strategy needs it (set MMCPU_MODELS_DIR, or fetch "
-            "it with `python -m mmcpu_dev.fixtures silero-vad`, which `make models` runs)")
+            "it with `python -m mmcpu_dev.fixtures silero-vad`, which `make models` runs)"
+        )
     try:
         import onnxruntime
     except ImportError as exc:
@@ -209,14 +210,20 @@ def speech_probabilities(audio: np.ndarray, sess=None) -> np.ndarray:
     c = np.zeros(STATE_SHAPE, dtype=np.float32)
     out = []
     for i in range(0, batched.shape[0], BATCH_FRAMES):
-        probs, h, c = sess.run(None, {"input": batched[i:i + BATCH_FRAMES], "h": h, "c": c})
+        probs, h, c = sess.run(None, {"input": batched[i : i + BATCH_FRAMES], "h": h, "c": c})
         out.append(np.asarray(probs, dtype=np.float32).reshape(-1))
     return np.concatenate(out)
 
 
 # --- spans, windows and the time map ------------------------------------------------------------------------------
-def speech_spans(probs: np.ndarray, n_samples: int, options: Options = AUTO, *, max_span_s: float = math.inf,
-                 sample_rate: int = SAMPLE_RATE) -> list[tuple[int, int]]:
+def speech_spans(
+    probs: np.ndarray,
+    n_samples: int,
+    options: Options = AUTO,
+    *,
+    max_span_s: float = math.inf,
+    sample_rate: int = SAMPLE_RATE,
+) -> list[tuple[int, int]]:
     """Padded speech spans ``[(start, end), ...]`` in samples from per-frame probabilities: faster-whisper 1.2.1's
     ``get_speech_timestamps`` (the same hysteresis, minimum silence, splitting of over-long spans at their last
     pause of 98 ms or more, and padding that splits gaps shorter than two paddings in the middle). Spans are sorted,
@@ -312,7 +319,7 @@ def windows(spans: list[tuple[int, int]], max_samples: int) -> list[list[tuple[i
     groups: list[list[tuple[int, int]]] = []
     j = n
     while j > 0:
-        groups.append(pieces[cut[j]:j])
+        groups.append(pieces[cut[j] : j])
         j = cut[j]
     return groups[::-1]
 

@@ -65,8 +65,14 @@ def alignment_heads(generation_config: Mapping[str, Any] | None) -> list[tuple[i
 # 1. In the engine: the cross-attention of the alignment heads.
 
 
-def worker_cross_attention(worker: Any, features: bytes, shape: Sequence[int], tokens: Sequence[int],
-                           heads: Sequence[Sequence[int]], num_frames: int) -> tuple[bytes, tuple[int, int]]:
+def worker_cross_attention(
+    worker: Any,
+    features: bytes,
+    shape: Sequence[int],
+    tokens: Sequence[int],
+    heads: Sequence[Sequence[int]],
+    num_frames: int,
+) -> tuple[bytes, tuple[int, int]]:
     """vLLM's CPU worker method (see :mod:`mmcpu.plugin`): the head-averaged, filtered cross-attention matrix
     (len(tokens) x num_frames // 2) of ``tokens`` over the window's log-mel ``features`` (float32 bytes of
     ``shape``, mel bins x 3000). Arrays travel as raw float32 bytes: vLLM's utility calls carry no array types."""
@@ -75,8 +81,9 @@ def worker_cross_attention(worker: Any, features: bytes, shape: Sequence[int], t
     return matrix.tobytes(), (int(matrix.shape[0]), int(matrix.shape[1]))
 
 
-def cross_attention(model: Any, features: Any, tokens: Sequence[int], heads: Sequence[Sequence[int]],
-                    num_frames: int) -> np.ndarray:
+def cross_attention(
+    model: Any, features: Any, tokens: Sequence[int], heads: Sequence[Sequence[int]], num_frames: int
+) -> np.ndarray:
     import torch
 
     if not (hasattr(model, "model") and hasattr(model.model, "encoder") and hasattr(model.model, "decoder")):
@@ -204,8 +211,9 @@ class Word:
     end: float
 
 
-def split_words(tokens: Sequence[int], decode: Callable[[list[int]], str],
-                language: str | None) -> list[tuple[str, list[int]]]:
+def split_words(
+    tokens: Sequence[int], decode: Callable[[list[int]], str], language: str | None
+) -> list[tuple[str, list[int]]]:
     """Whisper's word split of text ``tokens``: (text, tokens) per word, the text with its leading space."""
     pieces = _split_on_unicode(tokens, decode)
     if language in NO_SPACE_LANGUAGES:
@@ -238,9 +246,16 @@ def _split_on_unicode(tokens: Sequence[int], decode: Callable[[list[int]], str])
     return out
 
 
-def words_for_window(matrix: np.ndarray, segments: Sequence[Sequence[int]], decode: Callable[[list[int]], str], *,
-                     language: str | None, offset: float, duration: float,
-                     segment_times: Sequence[tuple[float, float]] | None = None) -> list[list[Word]]:
+def words_for_window(
+    matrix: np.ndarray,
+    segments: Sequence[Sequence[int]],
+    decode: Callable[[list[int]], str],
+    *,
+    language: str | None,
+    offset: float,
+    duration: float,
+    segment_times: Sequence[tuple[float, float]] | None = None,
+) -> list[list[Word]]:
     """The words of one window, per segment of ``segments`` (each a list of text tokens, in order; together the
     rows of ``matrix`` after its first), with times in seconds of the whole audio (``offset``: the window's
     start; ``duration``: its audio length). ``segment_times``: the segments' own (start, end) in the window,
@@ -272,8 +287,9 @@ def words_for_window(matrix: np.ndarray, segments: Sequence[Sequence[int]], deco
     return per_segment
 
 
-def _cut_long_words(words: list[Word], segment_of: list[int],
-                    segment_times: Sequence[tuple[float, float]] | None) -> None:
+def _cut_long_words(
+    words: list[Word], segment_of: list[int], segment_times: Sequence[tuple[float, float]] | None
+) -> None:
     """openai-whisper's corrections of DTW's over-long words (``add_word_timestamps``)."""
     durations = np.array([w.end - w.start for w in words])
     durations = durations[durations.nonzero()]
@@ -317,16 +333,26 @@ def _merge_punctuations(words: list[Word], segment_of: list[int]) -> list[Word |
     j = len(merged) - 1
     for i in range(len(merged) - 2, -1, -1):
         prev, nxt = merged[i], merged[j]
-        if (prev is not None and nxt is not None and segment_of[i] == segment_of[j]
-                and prev.word.startswith(" ") and prev.word.strip() in PREPEND_PUNCTUATIONS):
+        if (
+            prev is not None
+            and nxt is not None
+            and segment_of[i] == segment_of[j]
+            and prev.word.startswith(" ")
+            and prev.word.strip() in PREPEND_PUNCTUATIONS
+        ):
             nxt.word, nxt.tokens, merged[i] = prev.word + nxt.word, prev.tokens + nxt.tokens, None
         else:
             j = i
     i = 0
     for j in range(1, len(merged)):
         prev, nxt = merged[i], merged[j]
-        if (prev is not None and nxt is not None and segment_of[i] == segment_of[j]
-                and not prev.word.endswith(" ") and nxt.word in APPEND_PUNCTUATIONS):
+        if (
+            prev is not None
+            and nxt is not None
+            and segment_of[i] == segment_of[j]
+            and not prev.word.endswith(" ")
+            and nxt.word in APPEND_PUNCTUATIONS
+        ):
             prev.word, prev.tokens, merged[j] = prev.word + nxt.word, prev.tokens + nxt.tokens, None
         else:
             i = j
@@ -377,9 +403,17 @@ class WordTimestamps:
         sot_sequence = [t for t in prompt[start:] if t < self.timestamp_begin and t != self.no_timestamps]
         return [*sot_sequence, self.no_timestamps, *text_tokens, self.eot], len(sot_sequence)
 
-    async def window(self, engine_client: Any, run_sync: Callable[..., Any], audio: np.ndarray,
-                     prompt_ids: Sequence[int], segments: Sequence[Any], *, language: str | None,
-                     offset: float) -> list[list[Word]]:
+    async def window(
+        self,
+        engine_client: Any,
+        run_sync: Callable[..., Any],
+        audio: np.ndarray,
+        prompt_ids: Sequence[int],
+        segments: Sequence[Any],
+        *,
+        language: str | None,
+        offset: float,
+    ) -> list[list[Word]]:
         """The words of each of ``segments`` (one window's, with ``tokens``, ``start``, ``end`` in seconds of the
         whole audio) of the window ``audio`` starting at ``offset``. ``run_sync(fn, *args)``: runs host work
         off the event loop (an awaitable)."""
@@ -389,15 +423,25 @@ class WordTimestamps:
             return [[] for _ in segments]
         mel, num_frames = await run_sync(self.features, audio)
         tokens, n_sot = self.alignment_tokens(prompt_ids, text_tokens)
+        assert self.heads is not None, "callers check available first"
         heads = [list(h) for h in self.heads]
         [(raw, shape)] = await engine_client.collective_rpc(
-            WORKER_METHOD, args=(mel.tobytes(), list(mel.shape), tokens, heads, num_frames))
+            WORKER_METHOD, args=(mel.tobytes(), list(mel.shape), tokens, heads, num_frames)
+        )
         # Rows from <|notimestamps|> to the last text token (the <|endoftext|> row predicts nothing).
         matrix = np.frombuffer(raw, dtype=np.float32).reshape(tuple(shape))[n_sot:-1]
         times = [(seg.start - offset, seg.end - offset) for seg in segments]
-        return await run_sync(lambda: words_for_window(
-            matrix, per_segment, self.decode, language=language, offset=offset,
-            duration=len(audio) / SAMPLE_RATE, segment_times=times))
+        return await run_sync(
+            lambda: words_for_window(
+                matrix,
+                per_segment,
+                self.decode,
+                language=language,
+                offset=offset,
+                duration=len(audio) / SAMPLE_RATE,
+                segment_times=times,
+            )
+        )
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)

@@ -46,12 +46,17 @@ FIELDS = ("timestamp_begin", "eot", "no_timestamps", "max_initial")
 NUM_TIMESTAMPS = 1501  # <|0.00|> .. <|30.00|>
 
 
-def request_args(timestamp_begin: int, eot: int, no_timestamps: int, max_initial_s: float = 1.0,
-                 text: Sequence[int] | None = None) -> dict[str, Any]:
+def request_args(
+    timestamp_begin: int, eot: int, no_timestamps: int, max_initial_s: float = 1.0, text: Sequence[int] | None = None
+) -> dict[str, Any]:
     """The ``extra_args`` entry that turns the rules on for one request (token ids of its tokenizer); ``text``: the
     text tokens to force, in order (tokens at or above ``eot`` are not text and are left out)."""
-    args: dict[str, Any] = {"timestamp_begin": int(timestamp_begin), "eot": int(eot),
-                            "no_timestamps": int(no_timestamps), "max_initial": round(max_initial_s / 0.02)}
+    args: dict[str, Any] = {
+        "timestamp_begin": int(timestamp_begin),
+        "eot": int(eot),
+        "no_timestamps": int(no_timestamps),
+        "max_initial": round(max_initial_s / 0.02),
+    }
     if text is not None:
         args["text"] = [int(t) for t in text if t < eot]
     return {KEY: args}
@@ -89,8 +94,9 @@ class WhisperTimestamps(LogitsProcessor):
         if not isinstance(args, dict) or any(not isinstance(args.get(f), int) or args[f] < 0 for f in FIELDS):
             raise ValueError(f"extra_args[{KEY!r}] must map {', '.join(FIELDS)} to non-negative token ids")
         text = args.get("text")
-        if text is not None and (not isinstance(text, list)
-                                 or any(not isinstance(t, int) or not 0 <= t < args["eot"] for t in text)):
+        if text is not None and (
+            not isinstance(text, list) or any(not isinstance(t, int) or not 0 <= t < args["eot"] for t in text)
+        ):
             raise ValueError(f"extra_args[{KEY!r}]['text'] must be a list of text token ids (below eot)")
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
@@ -154,8 +160,9 @@ class WhisperTimestamps(LogitsProcessor):
         logits[rows] = sub.masked_fill(force, float("-inf"))
         return logits
 
-    def _forced_text_bans(self, slots: torch.Tensor, text_so_far: torch.Tensor, v: torch.Tensor,
-                          eot: torch.Tensor) -> torch.Tensor | bool:
+    def _forced_text_bans(
+        self, slots: torch.Tensor, text_so_far: torch.Tensor, v: torch.Tensor, eot: torch.Tensor
+    ) -> torch.Tensor | bool:
         """Rows with a forced text: while some is left, every text token but its next one, and the end; after it,
         all text. ``text_so_far``: the rows' generated text tokens (mask over their history)."""
         forced = [self.forced[s] for s in slots.tolist()]

@@ -8,7 +8,6 @@ from typing import Any
 
 import openai
 
-
 # Word error rate a transcription of the espeak-ng test sentences must stay under: the fixture tiny.en scores
 # ~0.2 on them (0.21 with transformers, 0.19-0.23 through vLLM), so 0.35 catches a broken path, not a bad day.
 WER_LIMIT = 0.35

@@ -74,8 +74,12 @@ def stand_in(model: str) -> FastAPI:
         await request.body()
         await asyncio.sleep(CHAT_S)
         tokens["n"] += 1
-        return JSONResponse({"object": "chat.completion", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+        return JSONResponse(
+            {
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            }
+        )
 
     return app
 
@@ -91,8 +95,12 @@ def gateway_process(engines: str, log: Path, **settings: Any) -> Iterator[tuple[
     """The real gateway entry point in its own process on loopback: (url, pid)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MMCPU_")} | {
-        "MMCPU_HOST": "127.0.0.1", "MMCPU_GATEWAY_PORT": str(port), "MMCPU_ENGINES": engines, "MMCPU_API_KEY": KEY,
-        **{f"MMCPU_{k.upper()}": str(v) for k, v in settings.items()}}
+        "MMCPU_HOST": "127.0.0.1",
+        "MMCPU_GATEWAY_PORT": str(port),
+        "MMCPU_ENGINES": engines,
+        "MMCPU_API_KEY": KEY,
+        **{f"MMCPU_{k.upper()}": str(v) for k, v in settings.items()},
+    }
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -126,9 +134,11 @@ async def _slow_upload(url: str, stop: asyncio.Event, outcome: dict[str, int]) -
     """Headers and the model field at once, then one byte a second of a 1 MiB file until ``stop``."""
     host, port = url.removeprefix("http://").split(":")
     boundary = uuid.uuid4().hex
-    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\n{AUDIO_MODEL}\r\n'
-            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
-            "Content-Type: audio/wav\r\n\r\n").encode()
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\n{AUDIO_MODEL}\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        "Content-Type: audio/wav\r\n\r\n"
+    ).encode()
     total = len(head) + (1 << 20)
     try:
         reader, writer = await asyncio.open_connection(host, int(port))
@@ -136,9 +146,11 @@ async def _slow_upload(url: str, stop: asyncio.Event, outcome: dict[str, int]) -
         outcome["connect_failed"] = outcome.get("connect_failed", 0) + 1
         return
     try:
-        writer.write(f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-                     f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n\r\n"
-                     .encode() + head)
+        writer.write(
+            f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n\r\n".encode()
+            + head
+        )
         await writer.drain()
         answer = asyncio.ensure_future(reader.readline())
         while not stop.is_set():
@@ -162,9 +174,12 @@ def _summary(times: list[float]) -> dict[str, float]:
     if not times:
         return {"count": 0}
     ordered = sorted(times)
-    return {"count": len(ordered), "p50_ms": round(statistics.median(ordered) * 1000, 1),
-            "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000, 1),
-            "max_ms": round(ordered[-1] * 1000, 1)}
+    return {
+        "count": len(ordered),
+        "p50_ms": round(statistics.median(ordered) * 1000, 1),
+        "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000, 1),
+        "max_ms": round(ordered[-1] * 1000, 1),
+    }
 
 
 async def _load(url: str, slow: int, overflow: int, seconds: float) -> dict[str, Any]:
@@ -201,8 +216,11 @@ async def _load(url: str, slow: int, overflow: int, seconds: float) -> dict[str,
         async def one_overflow(delay: float) -> None:
             await asyncio.sleep(delay)
             t0 = time.perf_counter()
-            r = await client.post("/v1/audio/transcriptions", data={"model": AUDIO_MODEL},
-                                  files={"file": ("a.wav", b"\0" * 4096, "audio/wav")})
+            r = await client.post(
+                "/v1/audio/transcriptions",
+                data={"model": AUDIO_MODEL},
+                files={"file": ("a.wav", b"\0" * 4096, "audio/wav")},
+            )
             overflow_times.append(time.perf_counter() - t0)
             overflow_status[str(r.status_code)] = overflow_status.get(str(r.status_code), 0) + 1
             if r.status_code == 429:
@@ -214,9 +232,12 @@ async def _load(url: str, slow: int, overflow: int, seconds: float) -> dict[str,
         await asyncio.sleep(max(0.0, seconds - 2 - spread))
         stop.set()
         await asyncio.gather(*background, *slow_tasks, return_exceptions=True)
-    return {"slow_clients": slow_outcome, "health": {**_summary(health_times), "status": health_status},
-            "overflow": {**_summary(overflow_times), "status": overflow_status},
-            "other_engine_chats": {**_summary(chat_times), "status": chat_status}}
+    return {
+        "slow_clients": slow_outcome,
+        "health": {**_summary(health_times), "status": health_status},
+        "overflow": {**_summary(overflow_times), "status": overflow_status},
+        "other_engine_chats": {**_summary(chat_times), "status": chat_status},
+    }
 
 
 def cpu_name() -> str:
@@ -226,11 +247,16 @@ def cpu_name() -> str:
     return f"unknown CPU, {os.cpu_count()} CPUs"
 
 
-def run(slow: int = 200, overflow: int = 300, seconds: float = 15, log: Path = Path("gateway-load.log"),
-        **settings: Any) -> dict[str, Any]:
+def run(
+    slow: int = 200, overflow: int = 300, seconds: float = 15, log: Path = Path("gateway-load.log"), **settings: Any
+) -> dict[str, Any]:
     """The load test; ``settings`` are gateway settings (engine_concurrency=8, engine_queue=32 unless given)."""
-    settings = {"engine_concurrency": 8, "engine_queue": 32, "body_timeout_s": seconds + 30,
-                "queue_timeout_s": seconds + 30} | settings
+    settings = {
+        "engine_concurrency": 8,
+        "engine_queue": 32,
+        "body_timeout_s": seconds + 30,
+        "queue_timeout_s": seconds + 30,
+    } | settings
     audio, vision = ServedApp(stand_in(AUDIO_MODEL)), ServedApp(stand_in(VISION_MODEL))
     try:
         with gateway_process(f"audio={audio.url},vision={vision.url}", log, **settings) as (url, pid):
@@ -239,8 +265,15 @@ def run(slow: int = 200, overflow: int = 300, seconds: float = 15, log: Path = P
     finally:
         audio.stop()
         vision.stop()
-    return {"cpu": cpu_name(), "load_before": os.getloadavg()[0], "slow": slow, "overflow_requests": overflow,
-            "seconds": seconds, "settings": settings, **result}
+    return {
+        "cpu": cpu_name(),
+        "load_before": os.getloadavg()[0],
+        "slow": slow,
+        "overflow_requests": overflow,
+        "seconds": seconds,
+        "settings": settings,
+        **result,
+    }
 
 
 def main() -> None:

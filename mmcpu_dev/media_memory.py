@@ -59,8 +59,9 @@ def image_at_limit(mode: str, max_pixels: int, seed: int = 0) -> str:
     return image_data_url(buf.getvalue())
 
 
-def measure(base_url: str, pid: int, model: str, *, max_images: int, max_pixels: int, mode: str,
-            api_key: str = "unused") -> Cost:
+def measure(
+    base_url: str, pid: int, model: str, *, max_images: int, max_pixels: int, mode: str, api_key: str = "unused"
+) -> Cost:
     images = [image_at_limit(mode, max_pixels, seed) for seed in range(max_images)]
     body = image_chat_kwargs(images, model=model, max_tokens=1)
     processes = [p.pid for p in tree(pid)]
@@ -69,8 +70,12 @@ def measure(base_url: str, pid: int, model: str, *, max_images: int, max_pixels:
         with open(f"/proc/{p}/clear_refs", "w") as f:
             f.write("5")
         before[p] = _status(p, "VmRSS")
-    response = httpx.post(f"{base_url.rstrip('/')}/v1/chat/completions", json=body, timeout=600,
-                          headers={"Authorization": f"Bearer {api_key}"})
+    response = httpx.post(
+        f"{base_url.rstrip('/')}/v1/chat/completions",
+        json=body,
+        timeout=600,
+        headers={"Authorization": f"Bearer {api_key}"},
+    )
     peak = {p: _status(p, "VmHWM") for p in processes}
     return Cost(mode, response.status_code, {p: max(0, peak[p] - before[p]) for p in processes}, peak)
 
@@ -88,27 +93,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-limit-gib", type=float, default=3.0, help="the engine's limit (compose: 3)")
     args = parser.parse_args(argv)
     # A small request first, so one-time costs (lazy imports, the loader's threads) are not counted as the limits'.
-    httpx.post(f"{args.base_url.rstrip('/')}/v1/chat/completions", timeout=600,
-               json=image_chat_kwargs([image_at_limit("RGB", 96 * 96)], model=args.model, max_tokens=1))
+    httpx.post(
+        f"{args.base_url.rstrip('/')}/v1/chat/completions",
+        timeout=600,
+        json=image_chat_kwargs([image_at_limit("RGB", 96 * 96)], model=args.model, max_tokens=1),
+    )
     processes = [p.pid for p in tree(args.pid)]
     baseline = {p: _status(p, "VmRSS") for p in processes}
     worst = held = 0
     for i, mode in enumerate(MODES):
         # One row fewer per mode: no image of one request is in the processor cache from an earlier one.
-        cost = measure(args.base_url, args.pid, args.model, max_images=args.max_images,
-                       max_pixels=args.max_pixels - i * side_for(args.max_pixels)[0], mode=mode)
+        cost = measure(
+            args.base_url,
+            args.pid,
+            args.model,
+            max_images=args.max_images,
+            max_pixels=args.max_pixels - i * side_for(args.max_pixels)[0],
+            mode=mode,
+        )
         worst = max(worst, cost.total)
         # glibc keeps freed heap, so a later request's own growth reads smaller than the first's: its peak over the
         # RSS after the warm-up request is the figure that counts against the engine's memory limit.
         held = max(held, sum(max(0, cost.peak[p] - baseline.get(p, cost.peak[p])) for p in cost.peak))
-        print(json.dumps({"mode": mode, "status": cost.status, "request_growth_mib": round(cost.total / 2**20, 1),
-                          "per_process_mib": {p: round(b / 2**20, 1) for p, b in cost.peak_growth.items()}}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "mode": mode,
+                    "status": cost.status,
+                    "request_growth_mib": round(cost.total / 2**20, 1),
+                    "per_process_mib": {p: round(b / 2**20, 1) for p, b in cost.peak_growth.items()},
+                }
+            ),
+            flush=True,
+        )
     peak = max(worst, held)
-    print(json.dumps({"max_images": args.max_images, "max_image_pixels": args.max_pixels,
-                      "worst_request_growth_mib": round(worst / 2**20, 1),
-                      "peak_over_warm_baseline_mib": round(held / 2**20, 1),
-                      "share_of_limit": round(peak / (args.memory_limit_gib * 2**30), 3)}))
+    print(
+        json.dumps(
+            {
+                "max_images": args.max_images,
+                "max_image_pixels": args.max_pixels,
+                "worst_request_growth_mib": round(worst / 2**20, 1),
+                "peak_over_warm_baseline_mib": round(held / 2**20, 1),
+                "share_of_limit": round(peak / (args.memory_limit_gib * 2**30), 3),
+            }
+        )
+    )
     return 0
 
 

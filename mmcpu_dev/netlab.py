@@ -34,8 +34,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PUBLIC, OTHER = "11.22.33.44", "11.22.33.45"  # global unicast, so the policy lets them through: ours only here
 INTERNAL = ("127.0.0.1", "::1", "10.0.0.1", "169.254.169.254")  # listening, and must never see a connection
-LISTED = ["media.test", "other.test", "internal.test", "private.test", "metadata.test", "mixed.test", "rebind.test",
-          "v6.test", "mapped.test", PUBLIC]
+LISTED = [
+    "media.test",
+    "other.test",
+    "internal.test",
+    "private.test",
+    "metadata.test",
+    "mixed.test",
+    "rebind.test",
+    "v6.test",
+    "mapped.test",
+    PUBLIC,
+]
 ZONE: dict[str, list[tuple[str, str]]] = {  # name -> [(type, address)]
     "media.test": [("A", PUBLIC)],
     "other.test": [("A", OTHER)],
@@ -106,7 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
     png = b""
     routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         host = self.server.server_address[0]
         HITS[host] += 1
         if host in INTERNAL:
@@ -246,7 +256,8 @@ def scenarios(internal_port: int) -> list[Scenario]:
 async def _run(scenario: Scenario, connector: object) -> tuple[str, float, str]:
     from vllm.exceptions import VLLMValidationError
 
-    from mmcpu.media import connector as media, limits
+    from mmcpu.media import connector as media
+    from mmcpu.media import limits
 
     t0 = time.perf_counter()
     try:
@@ -267,8 +278,10 @@ def inside() -> dict[str, object]:
         subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", "lo"], check=True)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     etc = tempfile.mkdtemp(prefix="netlab-")
-    for name, text in {"hosts": "127.0.0.1 localhost\n::1 localhost\n",
-                       "resolv.conf": "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"}.items():
+    for name, text in {
+        "hosts": "127.0.0.1 localhost\n::1 localhost\n",
+        "resolv.conf": "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n",
+    }.items():
         path = os.path.join(etc, name)
         with open(path, "w") as f:
             f.write(text)
@@ -282,22 +295,30 @@ def inside() -> dict[str, object]:
     for address in (PUBLIC, OTHER):
         _serve(address, 80)
 
-    os.environ.update(MMCPU_MAX_MEDIA_MB=str(MAX_MEDIA_MB), MMCPU_MAX_IMAGE_PIXELS="12000000",
-                      VLLM_IMAGE_FETCH_TIMEOUT=str(FETCH_TIMEOUT_S))
+    os.environ.update(
+        MMCPU_MAX_MEDIA_MB=str(MAX_MEDIA_MB),
+        MMCPU_MAX_IMAGE_PIXELS="12000000",
+        VLLM_IMAGE_FETCH_TIMEOUT=str(FETCH_TIMEOUT_S),
+    )
     from mmcpu.plugin import register
 
     register()
     from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY
 
-    connector = MEDIA_CONNECTOR_REGISTRY.load("mmcpu", media_io_kwargs=None, allowed_local_media_path="",
-                                             allowed_media_domains=LISTED)
+    connector = MEDIA_CONNECTOR_REGISTRY.load(
+        "mmcpu", media_io_kwargs=None, allowed_local_media_path="", allowed_media_domains=LISTED
+    )
 
     async def run_all() -> dict[str, object]:
         results = {}
         for scenario in scenarios(internal_port):
             outcome, seconds, message = await _run(scenario, connector)
-            results[scenario.name] = {"expect": scenario.expect, "outcome": outcome, "seconds": round(seconds, 3),
-                                      "message": message[:300]}
+            results[scenario.name] = {
+                "expect": scenario.expect,
+                "outcome": outcome,
+                "seconds": round(seconds, 3),
+                "message": message[:300],
+            }
         # Rebinding: the DNS answer flips between a public address and loopback on every lookup, TTL 0. Each fetch
         # must look the name up once and connect to what that lookup gave: some fetches succeed (public), some
         # are refused (loopback), and loopback never sees a connection.
@@ -310,8 +331,11 @@ def inside() -> dict[str, object]:
         return results
 
     results = asyncio.run(run_all())
-    return {"scenarios": results, "internal_hits": {a: HITS[a] for a in INTERNAL},
-            "public_hits": {a: HITS[a] for a in (PUBLIC, OTHER)}}
+    return {
+        "scenarios": results,
+        "internal_hits": {a: HITS[a] for a in INTERNAL},
+        "public_hits": {a: HITS[a] for a in (PUBLIC, OTHER)},
+    }
 
 
 def run(python: str = sys.executable, timeout_s: float = 300) -> dict[str, object]:

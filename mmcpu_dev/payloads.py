@@ -13,9 +13,9 @@ import json
 import struct
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -196,7 +196,9 @@ def raw_json(path: str, payload: Any) -> RawRequest:
     return RawRequest(path, json.dumps(payload).encode(), {"Content-Type": "application/json"})
 
 
-def raw_multipart(path: str, fields: dict[str, str], files: dict[str, tuple[str, bytes, str]] | None = None) -> RawRequest:
+def raw_multipart(
+    path: str, fields: dict[str, str], files: dict[str, tuple[str, bytes, str]] | None = None
+) -> RawRequest:
     """A multipart/form-data body built byte by byte (fields, then files as (filename, data, MIME type))."""
     boundary = uuid.uuid5(uuid.NAMESPACE_URL, repr(sorted(fields.items()))).hex  # deterministic bytes
     parts = [
@@ -301,20 +303,39 @@ def wav_declaring(sample_rate: int, seconds_of_data: float = 1.0, claimed_bytes:
 SERVER_VAD = {"type": "server_vad"}  # OpenAI's defaults: threshold 0.5, prefix_padding_ms 300, silence_duration_ms 500
 
 
-def realtime_session(model: str | None, *, rate: int = 24_000, language: str | None = None,
-                     prompt: str | None = None, turn_detection: dict[str, Any] | None = SERVER_VAD) -> dict[str, Any]:
+def realtime_session(
+    model: str | None,
+    *,
+    rate: int = 24_000,
+    language: str | None = None,
+    prompt: str | None = None,
+    turn_detection: dict[str, Any] | None = SERVER_VAD,
+) -> dict[str, Any]:
     """``session`` of a GA ``session.update`` for a transcription session (``conn.session.update(session=...)``)."""
-    transcription = {"model": model, **({"language": language} if language else {}),
-                     **({"prompt": prompt} if prompt else {})}
-    return {"type": "transcription", "audio": {"input": {
-        "format": {"type": "audio/pcm", "rate": rate}, "transcription": transcription,
-        "turn_detection": turn_detection}}}
+    transcription = {
+        "model": model,
+        **({"language": language} if language else {}),
+        **({"prompt": prompt} if prompt else {}),
+    }
+    return {
+        "type": "transcription",
+        "audio": {
+            "input": {
+                "format": {"type": "audio/pcm", "rate": rate},
+                "transcription": transcription,
+                "turn_detection": turn_detection,
+            }
+        },
+    }
 
 
 def realtime_beta_session(model: str | None, *, turn_detection: dict[str, Any] | None = SERVER_VAD) -> dict[str, Any]:
     """``session`` of a beta ``transcription_session.update`` (24 kHz pcm16)."""
-    return {"input_audio_format": "pcm16", "input_audio_transcription": {"model": model},
-            "turn_detection": turn_detection}
+    return {
+        "input_audio_format": "pcm16",
+        "input_audio_transcription": {"model": model},
+        "turn_detection": turn_detection,
+    }
 
 
 def pcm16_base64(samples: np.ndarray) -> str:

@@ -87,27 +87,40 @@ class SessionClosed(AssertionError):
     def __init__(self, closed: ConnectionClosed, run: Run, sent_all: bool) -> None:
         open_items = [i.item_id for i in run.waiting()]
         last = [ev for _, ev in run.events[-5:]]
-        super().__init__(f"the server closed the session ({closed}) {time.monotonic() - run.t0:.1f} s in, "
-                         f"{'after' if sent_all else 'before'} the client sent all its audio; committed items "
-                         f"without a transcript: {open_items}; its last events: {last}")
+        super().__init__(
+            f"the server closed the session ({closed}) {time.monotonic() - run.t0:.1f} s in, "
+            f"{'after' if sent_all else 'before'} the client sent all its audio; committed items "
+            f"without a transcript: {open_items}; its last events: {last}"
+        )
 
 
 def client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0)
 
 
-async def stream(base_url: str, model: str, audio: np.ndarray, *, rate: int = 16_000, pace: float = 1.0,
-                 chunk_ms: int = 100, turn_detection: dict[str, Any] | None = SERVER_VAD,
-                 commits: list[int] | None = None, language: str | None = None, api_key: str = "unused",
-                 settle_s: float = 120.0) -> Run:
+async def stream(
+    base_url: str,
+    model: str,
+    audio: np.ndarray,
+    *,
+    rate: int = 16_000,
+    pace: float = 1.0,
+    chunk_ms: int = 100,
+    turn_detection: dict[str, Any] | None = SERVER_VAD,
+    commits: list[int] | None = None,
+    language: str | None = None,
+    api_key: str = "unused",
+    settle_s: float = 120.0,
+) -> Run:
     """Stream ``audio`` (int16 at ``rate``) through one session; ``commits``: sample indices after which the client
     commits (with ``turn_detection`` None). Returns once every committed item has its ``completed`` / ``failed``
     (at most ``settle_s`` after the last audio)."""
     chunk = rate * chunk_ms // 1000
     cuts = sorted(commits or [])
     async with client(base_url, api_key).realtime.connect(extra_query={"intent": "transcription"}) as conn:
-        await conn.session.update(session=realtime_session(model, rate=rate, language=language,
-                                                           turn_detection=turn_detection))
+        await conn.session.update(
+            session=realtime_session(model, rate=rate, language=language, turn_detection=turn_detection)
+        )
         run = Run(time.monotonic())
         done_sending = asyncio.Event()
 
@@ -136,7 +149,7 @@ async def stream(base_url: str, model: str, audio: np.ndarray, *, rate: int = 16
                     raise exc  # a client that could not send is the failure, not the wait that follows
                 try:
                     ev = await asyncio.wait_for(conn.recv(), QUIET_S if settled() else 1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if settled():
                         return
                     continue
@@ -146,11 +159,14 @@ async def stream(base_url: str, model: str, audio: np.ndarray, *, rate: int = 16
 
         sender = asyncio.create_task(send())
         try:
-            await asyncio.wait_for(receive(), timeout=audio.size / rate / max(pace, 1e-9) + settle_s
-                                   if pace > 0 else settle_s)
+            await asyncio.wait_for(
+                receive(), timeout=audio.size / rate / max(pace, 1e-9) + settle_s if pace > 0 else settle_s
+            )
         except TimeoutError:  # say how far the session got, not only that it ran out of time
-            raise TimeoutError(f"not settled {settle_s:g} s after the audio: {len(run.completed)} turns transcribed, "
-                               f"{len(run.waiting())} committed still waiting") from None
+            raise TimeoutError(
+                f"not settled {settle_s:g} s after the audio: {len(run.completed)} turns transcribed, "
+                f"{len(run.waiting())} committed still waiting"
+            ) from None
         finally:
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)

@@ -65,8 +65,13 @@ def transcribe(
         "condition_on_previous_text": condition_on_previous_text,
     }
     request = json.dumps({"files": [str(c) for c in clips], "options": options})
-    proc = subprocess.run([str(python), "-P", str(PEER), "fw-ref", "--model", str(model), "--compute-type",
-                           compute_type], input=request, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [str(python), "-P", str(PEER), "fw-ref", "--model", str(model), "--compute-type", compute_type],
+        input=request,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         tail = " | ".join(ln for ln in proc.stderr.splitlines() if ln.strip())[-800:]
         raise RuntimeError(f"faster-whisper reference failed ({proc.returncode}): {tail}")

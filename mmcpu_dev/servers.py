@@ -104,8 +104,10 @@ class Engine:
             if self.proc is None or self.proc.poll() is not None:
                 raise RuntimeError(f"engine for {self.model} is not running (log: {self.log_path})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no kernel launch counts newer than {timeout_s:.0f}s in {self.kernel_stats_path}"
-                                   f" (log: {self.log_path})")
+                raise TimeoutError(
+                    f"no kernel launch counts newer than {timeout_s:.0f}s in {self.kernel_stats_path}"
+                    f" (log: {self.log_path})"
+                )
             time.sleep(0.2)
 
     def start(self, timeout_s: float = 900) -> Engine:
@@ -114,16 +116,30 @@ class Engine:
         # vLLM's INFO lines are the tests' evidence ("Using V2 Model Runner", the kernel it selected): a level or
         # stream left in this process's environment (e.g. by `python -m mmcpu.kernels` run in-process) must not
         # silence them.
-        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_RUNNER=self.runner, HF_HUB_OFFLINE="1",
-                   MMCPU_KERNEL_STATS=str(self.kernel_stats_path), MMCPU_WATCHDOG_INTERVAL_S="0",
-                   VLLM_LOGGING_LEVEL="INFO")
+        env = dict(
+            os.environ,
+            MMCPU_HOST="127.0.0.1",
+            MMCPU_RUNNER=self.runner,
+            HF_HUB_OFFLINE="1",
+            MMCPU_KERNEL_STATS=str(self.kernel_stats_path),
+            MMCPU_WATCHDOG_INTERVAL_S="0",
+            VLLM_LOGGING_LEVEL="INFO",
+        )
         env.pop("VLLM_LOGGING_STREAM", None)
         env.update(self.env)
         self.kernel_stats_path.unlink(missing_ok=True)  # a previous run's counts must not stand in for these
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.pythonpath), env.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [str(self.python or sys.executable), "-m", "mmcpu.launch", "--model", str(self.model), "--port", str(self.port)]
+        cmd = [
+            str(self.python or sys.executable),
+            "-m",
+            "mmcpu.launch",
+            "--model",
+            str(self.model),
+            "--port",
+            str(self.port),
+        ]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.vllm_args:
@@ -226,8 +242,9 @@ class ServedApp:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1, access_log=False,
-                                **self.config)
+        config = uvicorn.Config(
+            self.app, log_level="warning", timeout_graceful_shutdown=1, access_log=False, **self.config
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -258,8 +275,9 @@ def gateway_for(**engines: Engine) -> Iterator[ServedApp]:
     from mmcpu.config import Settings
     from mmcpu.gateway.app import create_app
 
-    served = ServedApp(create_app(Settings(engines=",".join(f"{n}={e.base_url}" for n, e in engines.items()),
-                                           api_key=GATEWAY_KEY)))
+    served = ServedApp(
+        create_app(Settings(engines=",".join(f"{n}={e.base_url}" for n, e in engines.items()), api_key=GATEWAY_KEY))
+    )
     try:
         yield served
     finally:
@@ -269,7 +287,7 @@ def gateway_for(**engines: Engine) -> Iterator[ServedApp]:
 class _Counted(BaseHTTPRequestHandler):
     """Answers every GET with a small JSON body (like an internal API) and counts it."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         self.server.hits += 1  # type: ignore[attr-defined]
         body = b'{"object": "list", "data": []}'
         self.send_response(200)

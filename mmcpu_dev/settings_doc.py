@@ -66,9 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return write_or_check(args.doc, text, new, check=args.check,
-                          stale=f"{args.doc}'s settings table differs from mmcpu/config.py; run "
-                                "`python -m mmcpu_dev.settings_doc`")
+    return write_or_check(
+        args.doc,
+        text,
+        new,
+        check=args.check,
+        stale=f"{args.doc}'s settings table differs from mmcpu/config.py; run `python -m mmcpu_dev.settings_doc`",
+    )
 
 
 if __name__ == "__main__":

@@ -75,10 +75,15 @@ def port_problem(host: str, port: int) -> str | None:
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 other = f"{host}:{free_port()}" if host not in ("0.0.0.0", "::") else str(free_port())
-                return (f"port {port} on {host} is in use by another program: stop it, or publish the gateway on "
-                        f"another port, e.g. MMCPU_PUBLISH={other} make up")
+                return (
+                    f"port {port} on {host} is in use by another program: stop it, or publish the gateway on "
+                    f"another port, e.g. MMCPU_PUBLISH={other} make up"
+                )
             if error.errno == errno.EADDRNOTAVAIL:
-                return f"{host} is not an address of this host: set MMCPU_PUBLISH=127.0.0.1:{port} (or one of its addresses)"
+                return (
+                    f"{host} is not an address of this host: set MMCPU_PUBLISH=127.0.0.1:{port} "
+                    "(or one of its addresses)"
+                )
             if error.errno == errno.EACCES:
                 return None  # a privileged port: Docker's daemon publishes it, not this user
             return f"cannot listen on {host}:{port} ({error.strerror}): set MMCPU_PUBLISH to a free address:port"
@@ -101,8 +106,10 @@ def memory_problem(min_gib: float, meminfo: str = "/proc/meminfo") -> str | None
     have = mem_available_gib(meminfo)
     if have is None or have >= min_gib:
         return None
-    return (f"only {have:.1f} GiB of memory is available and the stack (two engines, the gateway) needs about "
-            f"{min_gib:g} GiB: stop other work or use a bigger host (UP_MIN_MEM_GIB=0 make up skips this check)")
+    return (
+        f"only {have:.1f} GiB of memory is available and the stack (two engines, the gateway) needs about "
+        f"{min_gib:g} GiB: stop other work or use a bigger host (UP_MIN_MEM_GIB=0 make up skips this check)"
+    )
 
 
 def disk_problem(path: str, min_gib: float) -> str | None:
@@ -112,8 +119,10 @@ def disk_problem(path: str, min_gib: float) -> str | None:
         return None  # not a local directory (a remote engine, a VM's): nothing to measure from here
     if free >= min_gib:
         return None
-    return (f"only {free:.1f} GiB free on {path} (Docker's data) and building the image needs about {min_gib:g} GiB: "
-            "free some (docker system prune) or move Docker's data-root (UP_MIN_DISK_GIB=0 make up skips this check)")
+    return (
+        f"only {free:.1f} GiB free on {path} (Docker's data) and building the image needs about {min_gib:g} GiB: "
+        "free some (docker system prune) or move Docker's data-root (UP_MIN_DISK_GIB=0 make up skips this check)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.fact == "gateway-status":
         print(gateway_status(args.url))
     else:
-        problem = (port_problem(args.host, args.port) if args.fact == "check-port"
-                   else memory_problem(args.min_gib) if args.fact == "check-memory"
-                   else disk_problem(args.path, args.min_gib))
+        problem = (
+            port_problem(args.host, args.port)
+            if args.fact == "check-port"
+            else memory_problem(args.min_gib)
+            if args.fact == "check-memory"
+            else disk_problem(args.path, args.min_gib)
+        )
         if problem:
             print(problem)
             return 1

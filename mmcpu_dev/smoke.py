@@ -27,22 +27,22 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 
+from mmcpu.config import get_settings
+from mmcpu.launch import served_name
 from mmcpu_dev import speech
 from mmcpu_dev.bench.stats import percentile
 from mmcpu_dev.checks import WER_LIMIT, CheckFailed, expect_client_error, subtitle_text
-from mmcpu.config import get_settings
-from mmcpu.launch import served_name
 from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 
 N_SENTENCES = 4  # >= 3 sentences; each MRV2 transcription takes a few seconds on CPU
@@ -65,7 +65,7 @@ class Smoke:
             detail, ok = fn(), True
         except openai.APIStatusError as exc:
             detail, ok = f"HTTP {exc.status_code}: {exc.response.text[:300]}", False
-        except Exception as exc:  # noqa: BLE001 - every failure becomes one FAIL line, the run goes on
+        except Exception as exc:
             detail, ok = f"{type(exc).__name__}: {str(exc)[:300]}", False
         self.results.append(ok)
         print(f"[smoke] {'PASS' if ok else 'FAIL'} {name} ({time.monotonic() - t0:.1f}s): {detail}", flush=True)
@@ -81,7 +81,9 @@ class Smoke:
 
     def transcribe(self, audio: Path | bytes, response_format: str = "json", model: str | None = None) -> str:
         result = self.client.audio.transcriptions.create(
-            **transcription_kwargs(audio, model=model or self.audio_model, language="en", response_format=response_format)
+            **transcription_kwargs(
+                audio, model=model or self.audio_model, language="en", response_format=response_format
+            )
         )
         return result if isinstance(result, str) else result.text
 
@@ -175,7 +177,8 @@ class Smoke:
     def transcription_sampled(self) -> str:
         path, reference = self.clips[0]
         result = self.client.audio.transcriptions.create(
-            **transcription_kwargs(path, model=self.audio_model, language="en", temperature=0.4))
+            **transcription_kwargs(path, model=self.audio_model, language="en", temperature=0.4)
+        )
         wer = speech.word_error_rate([reference], [result.text])
         if wer >= 2 * WER_LIMIT:  # sampling may change a word or two; a broken path loses the sentence
             raise CheckFailed(f"temperature 0.4: WER {wer:.3f}: {result.text!r}")
@@ -223,11 +226,16 @@ class Smoke:
         self.check("bad-empty-file", self.bad(lambda: self.transcribe(b"")))
         self.check("bad-non-audio-bytes", self.bad(lambda: self.transcribe(non_audio)))
         self.check("bad-malformed-data-url", self.bad(lambda: self.chat([bad_png, test_image(1)])))
-        self.check("bad-non-image-bytes", self.bad(lambda: self.chat(
-            ["data:image/png;base64," + base64.b64encode(b"plain text, not a PNG" * 10).decode()])))
+        self.check(
+            "bad-non-image-bytes",
+            self.bad(
+                lambda: self.chat(["data:image/png;base64," + base64.b64encode(b"plain text, not a PNG" * 10).decode()])
+            ),
+        )
         self.check("bad-unknown-model-chat", self.bad(lambda: self.chat([test_image(1)], model="no-such-model"), {404}))
-        self.check("bad-unknown-model-audio", self.bad(
-            lambda: self.transcribe(self.clips[0][0], model="no-such-model"), {404}))
+        self.check(
+            "bad-unknown-model-audio", self.bad(lambda: self.transcribe(self.clips[0][0], model="no-such-model"), {404})
+        )
         self.check("still-serving-after-bad-inputs", self.still_serving)
         self.run_hard_inputs()
         passed = sum(self.results)
@@ -254,7 +262,7 @@ def read_load(output: str) -> tuple[list[dict], dict | None]:
         for prefix in (LOAD_RECORD, LOAD_SUMMARY):
             if line.startswith(prefix):
                 try:
-                    value = json.loads(line[len(prefix):])
+                    value = json.loads(line[len(prefix) :])
                 except ValueError:
                     continue
                 if prefix == LOAD_RECORD:
@@ -270,8 +278,9 @@ def seconds_at(values: list[float], q: float) -> float:
     return 0.0 if found is None else round(found, 2)
 
 
-def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = None,
-             stop_file: Path | None = None) -> bool:
+def run_load(
+    smoke: Smoke, n: int, concurrency: int, duration_s: float | None = None, stop_file: Path | None = None
+) -> bool:
     """n requests (fewer if duration_s runs out or stop_file appears first), alternating audio / vision, half of
     each with sampling options; concurrency at a time. Requests in flight when it stops are completed."""
     clips = smoke.clips
@@ -285,23 +294,28 @@ def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = 
         try:
             if kind == "audio":
                 path, _ = clips[i // 2 % len(clips)]
-                kwargs = transcription_kwargs(path, model=smoke.audio_model, language="en",
-                                              temperature=0.8 if sampling else 0.0)
+                kwargs = transcription_kwargs(
+                    path, model=smoke.audio_model, language="en", temperature=0.8 if sampling else 0.0
+                )
                 if sampling:
                     kwargs["extra_body"] = {"top_p": 0.9}
                 text = smoke.client.audio.transcriptions.create(**kwargs).text
                 if not text.strip():
                     raise CheckFailed("empty transcription")
             else:
-                kwargs = image_chat_kwargs([test_image(i % 7 + 1), test_image(i % 5 + 11)], model=smoke.vision_model,
-                                           temperature=0.8 if sampling else 0.0, max_tokens=8)
+                kwargs = image_chat_kwargs(
+                    [test_image(i % 7 + 1), test_image(i % 5 + 11)],
+                    model=smoke.vision_model,
+                    temperature=0.8 if sampling else 0.0,
+                    max_tokens=8,
+                )
                 if sampling:
                     kwargs["top_p"] = 0.9
                 smoke.client.chat.completions.create(**kwargs)
             record["ok"] = True
         except openai.APIStatusError as exc:
             record.update(ok=False, error=f"HTTP {exc.status_code}: {exc.response.text[:150]}")
-        except Exception as exc:  # noqa: BLE001 - every failure is one record
+        except Exception as exc:
             record.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:150]}")
         record["t1"] = round(time.time(), 3)
         with print_lock:  # one whole line per record: threads' prints must not interleave
@@ -340,15 +354,25 @@ def run_load(smoke: Smoke, n: int, concurrency: int, duration_s: float | None = 
     wall = time.monotonic() - t0
     ok = [r for r in records if r["ok"]]
     lat = [r["t1"] - r["t0"] for r in ok]
-    summary = {"requests": n, "concurrency": concurrency, "failures": n - len(ok), "wall_s": round(wall, 1),
-               "p50_s": seconds_at(lat, 50), "p95_s": seconds_at(lat, 95)}
+    summary = {
+        "requests": n,
+        "concurrency": concurrency,
+        "failures": n - len(ok),
+        "wall_s": round(wall, 1),
+        "p50_s": seconds_at(lat, 50),
+        "p95_s": seconds_at(lat, 95),
+    }
     for kind in ("audio", "vision"):
         for sampling in (False, True):
             part = [r for r in records if r["kind"] == kind and r["sampling"] == sampling]
             part_lat = [r["t1"] - r["t0"] for r in part if r["ok"]]
             label = f"{kind}{'-sampling' if sampling else ''}"
-            summary[label] = {"n": len(part), "failures": sum(not r["ok"] for r in part),
-                              "p50_s": seconds_at(part_lat, 50), "p95_s": seconds_at(part_lat, 95)}
+            summary[label] = {
+                "n": len(part),
+                "failures": sum(not r["ok"] for r in part),
+                "p50_s": seconds_at(part_lat, 50),
+                "p95_s": seconds_at(part_lat, 95),
+            }
     print(f"{LOAD_SUMMARY}{json.dumps(summary)}", flush=True)
     return summary["failures"] == 0
 
@@ -368,20 +392,25 @@ def run_long(smoke: Smoke, seconds: float) -> bool:
     t0 = time.monotonic()
     try:
         hyp = smoke.transcribe(path)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"[long] FAIL after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         return False
     wer = speech.word_error_rate([" ".join(text)], [hyp])
     ok = wer < 0.5
-    print(f"[long] {'PASS' if ok else 'FAIL'} after {time.monotonic() - t0:.1f}s: WER {wer:.3f}, "
-          f"{len(hyp.split())} words: {hyp[:120]!r}", flush=True)
+    print(
+        f"[long] {'PASS' if ok else 'FAIL'} after {time.monotonic() - t0:.1f}s: WER {wer:.3f}, "
+        f"{len(hyp.split())} words: {hyp[:120]!r}",
+        flush=True,
+    )
     return ok
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="python -m mmcpu_dev.smoke", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default=f"http://127.0.0.1:{settings.gateway_port}/v1", help="default: %(default)s")
+    parser.add_argument(
+        "--base-url", default=f"http://127.0.0.1:{settings.gateway_port}/v1", help="default: %(default)s"
+    )
     parser.add_argument("--audio-model", default=served_name(settings.audio_model), help="default: %(default)s")
     parser.add_argument("--vision-model", default=served_name(settings.vision_model), help="default: %(default)s")
     parser.add_argument("--timeout-s", type=float, default=300, help="per request (default: %(default)s)")

@@ -56,8 +56,9 @@ def synthesize(text: str, out: Path, *, speed: int = 130, voice: str | None = No
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw.wav"
         voice_args = ["-v", voice] if voice else []
-        subprocess.run(["espeak-ng", *voice_args, "-s", str(speed), "-w", str(raw), text], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["espeak-ng", *voice_args, "-s", str(speed), "-w", str(raw), text], check=True, capture_output=True
+        )
         # -R: no dither when sox lowers the bit depth after resampling, so the same text is the same samples
         subprocess.run(
             ["sox", "-R", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(out)], check=True, capture_output=True
@@ -79,8 +80,9 @@ def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
     return jiwer.wer([normalize(r) for r in references], [normalize(h) or "<empty>" for h in hypotheses])
 
 
-def conversation(out: Path, sentences: list[str], *, pause_s: float = 1.2, lead_s: float = 0.5,
-                 speed: int = 130) -> tuple[Path, list[tuple[int, int]]]:
+def conversation(
+    out: Path, sentences: list[str], *, pause_s: float = 1.2, lead_s: float = 0.5, speed: int = 130
+) -> tuple[Path, list[tuple[int, int]]]:
     """One 16 kHz WAV of ``sentences`` spoken one after another with ``pause_s`` of silence between them (and
     ``lead_s`` before the first and after the last): a speaker taking turns. Returns the file and each sentence's
     (start, end) in samples, where espeak-ng's own leading and trailing silence is trimmed off."""
@@ -93,7 +95,7 @@ def conversation(out: Path, sentences: list[str], *, pause_s: float = 1.2, lead_
         for i, text in enumerate(sentences):
             samples, _ = soundfile.read(synthesize(text, Path(tmp) / f"{i}.wav", speed=speed), dtype="int16")
             loud = np.flatnonzero(np.abs(samples.astype(np.int32)) > 64)
-            samples = samples[loud[0]: loud[-1] + 1] if loud.size else samples
+            samples = samples[loud[0] : loud[-1] + 1] if loud.size else samples
             spans.append((pos, pos + samples.size))
             gap = np.zeros(int((pause_s if i < len(sentences) - 1 else lead_s) * rate), dtype=np.int16)
             parts += [samples, gap]

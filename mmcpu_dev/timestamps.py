@@ -16,9 +16,18 @@ from mmcpu_dev import speech
 
 # (name, sentences, words/min): 4 s to 57 s (one and two windows) plus a several-minute file (many windows).
 CLIPS = [
-    ("s1-110", 1, 110), ("s2-160", 2, 160), ("s3-130", 3, 130), ("s4-175", 4, 175), ("s5-130", 5, 130),
-    ("s6-160", 6, 160), ("s7-160", 7, 160), ("s8-160", 8, 160), ("s9-130", 9, 130), ("s12-160", 12, 160),
-    ("s14-160", 14, 160), ("s17-175", 17, 175),
+    ("s1-110", 1, 110),
+    ("s2-160", 2, 160),
+    ("s3-130", 3, 130),
+    ("s4-175", 4, 175),
+    ("s5-130", 5, 130),
+    ("s6-160", 6, 160),
+    ("s7-160", 7, 160),
+    ("s8-160", 8, 160),
+    ("s9-130", 9, 130),
+    ("s12-160", 12, 160),
+    ("s14-160", 14, 160),
+    ("s17-175", 17, 175),
 ]
 LONG = ("s80-160", 80, 160)
 
@@ -70,8 +79,9 @@ def transcribe(base_url: str, model: str, path: Path, response_format: str, **fi
     data = {"model": model, "response_format": response_format, "temperature": "0", **fields}
     data = {k: str(v) for k, v in data.items() if v is not None}
     with path.open("rb") as f:
-        r = httpx.post(f"{base_url}/v1/audio/transcriptions", data=data, files={"file": (path.name, f, "audio/wav")},
-                       timeout=900)  # fmt: skip
+        r = httpx.post(
+            f"{base_url}/v1/audio/transcriptions", data=data, files={"file": (path.name, f, "audio/wav")}, timeout=900
+        )
     r.raise_for_status()
     return r.text if response_format in ("srt", "vtt", "text") else r.json()
 
@@ -89,13 +99,19 @@ def measure(base_url: str, model: str, clips: list[tuple[str, Path, float]], **f
         verbose = transcribe(base_url, model, path, "verbose_json", **fields)
         t2 = time.perf_counter()
         segments = " ".join(s["text"] for s in verbose.get("segments") or [])
-        rows.append({
-            "clip": name, "seconds": round(seconds, 1), "json_words": len(words(plain)),
-            "verbose_json": kept(plain, segments), "segments": len(verbose.get("segments") or []),
-            "srt": kept(plain, srt_text(transcribe(base_url, model, path, "srt", **fields))),
-            "vtt": kept(plain, vtt_text(transcribe(base_url, model, path, "vtt", **fields))),
-            "json_s": round(t1 - t0, 2), "verbose_json_s": round(t2 - t1, 2),
-        })  # fmt: skip
+        rows.append(
+            {
+                "clip": name,
+                "seconds": round(seconds, 1),
+                "json_words": len(words(plain)),
+                "verbose_json": kept(plain, segments),
+                "segments": len(verbose.get("segments") or []),
+                "srt": kept(plain, srt_text(transcribe(base_url, model, path, "srt", **fields))),
+                "vtt": kept(plain, vtt_text(transcribe(base_url, model, path, "vtt", **fields))),
+                "json_s": round(t1 - t0, 2),
+                "verbose_json_s": round(t2 - t1, 2),
+            }
+        )
     return rows
 
 

@@ -33,16 +33,33 @@ def fetch(requirement: str, dest: Path, *, expect_sha256: str | None = None) -> 
     if not wheels:
         dest.mkdir(parents=True, exist_ok=True)
         print(f"[wheels] downloading {requirement} into {dest}", file=sys.stderr, flush=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                               "--disable-pip-version-check", "-d", str(dest), requirement],
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "-d",
+                str(dest),
+                requirement,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         wheels = sorted(dest.glob(pattern))
         if done.returncode != 0 or not wheels:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise WheelError(f"pip download {requirement} failed (exit {done.returncode}; is PyPI reachable?): {last}")
         # Sized as pip prints it: the image build's progress adds it to what the build downloaded.
-        print(f"[wheels] downloaded {wheels[-1].name} ({wheels[-1].stat().st_size / 1e6:.1f} MB)", file=sys.stderr,
-              flush=True)
+        print(
+            f"[wheels] downloaded {wheels[-1].name} ({wheels[-1].stat().st_size / 1e6:.1f} MB)",
+            file=sys.stderr,
+            flush=True,
+        )
     wheel = wheels[-1]
     if expect_sha256 and (digest := sha256(wheel)) != expect_sha256:
         raise WheelError(f"{wheel} has sha256 {digest}, expected {expect_sha256}; delete it and retry")

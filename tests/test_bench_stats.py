@@ -18,15 +18,27 @@ from mmcpu_dev.bench.results import Meta, Results, SystemResult, headline, missi
 from mmcpu_dev.bench.stats import LevelStats, Round, Sample, merge_rounds, percentile, ratio, summarize, throughput
 
 ISSUE_17_KEYS = {
-    "audio_default/fw_int8@c=1", "audio_default/fw_int8@c=4", "audio_default/fw_int8@c=8",
-    "audio_default/fw_int8@c=16", "p50_audio_default/fw_int8@c=1", "mrv2/v1@c=1", "mrv2/v1@c=8",
-    "vision_mrv2/v1@c=1", "vision_mrv2/v1@c=4", "wer_audio_default", "wer_fw_int8", "wer_float32",
-}  # fmt: skip
+    "audio_default/fw_int8@c=1",
+    "audio_default/fw_int8@c=4",
+    "audio_default/fw_int8@c=8",
+    "audio_default/fw_int8@c=16",
+    "p50_audio_default/fw_int8@c=1",
+    "mrv2/v1@c=1",
+    "mrv2/v1@c=8",
+    "vision_mrv2/v1@c=1",
+    "vision_mrv2/v1@c=4",
+    "wer_audio_default",
+    "wer_fw_int8",
+    "wer_float32",
+}
 PEER_KEYS = {f"audio_default/{peer}_best@c={c}" for peer in ("openvino", "whispercpp") for c in (1, 4, 8, 16)} | {
-    "p50_audio_default/openvino_best@c=1", "p50_audio_default/whispercpp_best@c=1"}  # fmt: skip
+    "p50_audio_default/openvino_best@c=1",
+    "p50_audio_default/whispercpp_best@c=1",
+}
 # ours as a bare engine beside ours through the stack (the headline's audio_default figures)
-BARE_KEYS = {k.replace("audio_default/", "bare_audio_default/") for k in ISSUE_17_KEYS | PEER_KEYS
-             if "audio_default/" in k}  # fmt: skip
+BARE_KEYS = {
+    k.replace("audio_default/", "bare_audio_default/") for k in ISSUE_17_KEYS | PEER_KEYS if "audio_default/" in k
+}
 STARTUP_KEYS = {"engine_ready_cold_s", "engine_ready_warm_s", "compose_up_to_serving_s", "engine_peak_rss_gib"}
 
 
@@ -52,8 +64,11 @@ def test_throughput_and_ratio_edge_cases():
 
 
 def test_summary_counts_only_successful_requests():
-    samples = [Sample(2.0, audio_s=10.0, text="a"), Sample(4.0, audio_s=20.0, text="b"),
-               Sample(9.0, audio_s=30.0, error="APIError: boom")]  # fmt: skip
+    samples = [
+        Sample(2.0, audio_s=10.0, text="a"),
+        Sample(4.0, audio_s=20.0, text="b"),
+        Sample(9.0, audio_s=30.0, error="APIError: boom"),
+    ]
     s = Round(4, wall_s=5.0, samples=samples).summary()
     assert (s.n, s.ok, s.failures) == (3, 2, 1)
     assert s.audio_s == 30.0  # the failed request's audio is not throughput
@@ -92,7 +107,8 @@ def test_a_long_file_gets_its_real_time_factor_and_wer():
     assert failed.rtf is None and failed.wer is None
 
 
-# py-spy --format raw: root first, files relative to their sys.path entry; " 1" = a sample without Python frames
+# py-spy --format raw, verbatim (lines as long as the stacks): root first, files relative to their sys.path
+# entry; " 1" = a sample without Python frames
 PYSPY_RAW = """\
 run (vllm/v1/worker/gpu/model_runner.py:10);gumbel_sample (vllm/v1/worker/gpu/sample/gumbel.py:241);run (triton/runtime/interpreter.py:1470);GridExecutor.__call__ (triton/runtime/interpreter.py:1357);_gumbel_sample_kernel (vllm/v1/worker/gpu/sample/gumbel.py:210);mul (triton/language/core.py:2502) 5
 run (vllm/v1/worker/gpu/model_runner.py:10);gumbel_sample (vllm/v1/worker/gpu/sample/gumbel.py:241);run (triton/runtime/interpreter.py:1470);_implicit_cvt (triton/runtime/interpreter.py:700);getmembers (inspect.py:50) 1
@@ -116,8 +132,10 @@ def test_profile_summary_attributes_samples_to_kernels_and_frames():
     }
     assert p["kernels"][0]["share"] == pytest.approx(0.5)
     sites = {k["frame"]: k["samples"] for k in p["launch_sites"]}
-    assert sites == {"gumbel_sample (vllm/v1/worker/gpu/sample/gumbel.py)": 7,  # its kernel body + its launch work
-                     "write (vllm/v1/worker/gpu/buffer_utils.py)": 1}  # fmt: skip
+    assert sites == {
+        "gumbel_sample (vllm/v1/worker/gpu/sample/gumbel.py)": 7,  # its kernel body + its launch work
+        "write (vllm/v1/worker/gpu/buffer_utils.py)": 1,
+    }
     leaves = {k["frame"]: k["samples"] for k in p["self_frames"]}
     assert leaves["mul (triton/language/core.py)"] == 5
     assert leaves["forward (torch/nn/modules/module.py)"] == 1  # vllm/triton_utils is not Triton
@@ -133,30 +151,41 @@ def test_profile_parser_rejects_other_formats():
 
 
 def test_startup_breakdown_from_a_vllm_log():
-    log = "\n".join([
-        "[mmcpu] runner=v2 executor=uni kvcache=0.25GiB: python -m vllm.entrypoints.openai.api_server ...",
-        "INFO 12-01 11:05:38 [importing.py:53] Triton is installed but 0 active driver(s) found",
-        "(APIServer pid=22699) INFO 12-01 11:05:40 [api_utils.py:345] version 0.26.0",
-        "(APIServer pid=22699) INFO 12-01 11:05:47 [model.py:623] Resolved architecture: Whisper",
-        "INFO 12-01 11:05:54 [importing.py:53] Triton is installed but 0 active driver(s) found",
-        "W1201 11:05:55.545000 22813 torch/utils/cpp_extension.py:140] No CUDA runtime is found",
-        "(EngineCore pid=22813) INFO 12-01 11:05:56 [core.py:116] Initializing a V1 LLM engine (v0.26.0)",
-        "(EngineCore pid=22813) INFO 12-01 11:05:57 [model_runner.py:284] Loading model from scratch...",
-        "(EngineCore pid=22813) INFO 12-01 11:05:58 [model_runner.py:305] Model loading took 0.13 GiB and 1.4 s",
-        "(EngineCore pid=22813) INFO 12-01 11:06:26 [core.py:347] init engine (profile, create kv cache, warmup "
-        "model) took 28.16 s",
-        "(APIServer pid=22699) INFO 12-01 11:06:28 [api_server.py:681] Starting vLLM server on http://127.0.0.1:1",
-    ])  # fmt: skip
+    log = "\n".join(
+        [
+            "[mmcpu] runner=v2 executor=uni kvcache=0.25GiB: python -m vllm.entrypoints.openai.api_server ...",
+            "INFO 12-01 11:05:38 [importing.py:53] Triton is installed but 0 active driver(s) found",
+            "(APIServer pid=22699) INFO 12-01 11:05:40 [api_utils.py:345] version 0.26.0",
+            "(APIServer pid=22699) INFO 12-01 11:05:47 [model.py:623] Resolved architecture: Whisper",
+            "INFO 12-01 11:05:54 [importing.py:53] Triton is installed but 0 active driver(s) found",
+            "W1201 11:05:55.545000 22813 torch/utils/cpp_extension.py:140] No CUDA runtime is found",
+            "(EngineCore pid=22813) INFO 12-01 11:05:56 [core.py:116] Initializing a V1 LLM engine (v0.26.0)",
+            "(EngineCore pid=22813) INFO 12-01 11:05:57 [model_runner.py:284] Loading model from scratch...",
+            "(EngineCore pid=22813) INFO 12-01 11:05:58 [model_runner.py:305] Model loading took 0.13 GiB and 1.4 s",
+            "(EngineCore pid=22813) INFO 12-01 11:06:26 [core.py:347] init engine (profile, create kv cache, warmup "
+            "model) took 28.16 s",
+            "(APIServer pid=22699) INFO 12-01 11:06:28 [api_server.py:681] Starting vLLM server on http://127.0.0.1:1",
+        ]
+    )
     spawned = dt.datetime(2026, 12, 1, 11, 5, 33).timestamp()
     got = profiles.startup_breakdown(log, spawned, ready_s=57.0, year=2026)
-    assert got == {"imports, API server": 7.0, "config + tokenizer, API server": 7.0,
-                   "EngineCore spawn + imports": 9.0, "device + worker init": 1.0, "model load": 1.0,
-                   "warm-up + profile + KV cache": 28.0, "API ready": 4.0}  # fmt: skip
+    assert got == {
+        "imports, API server": 7.0,
+        "config + tokenizer, API server": 7.0,
+        "EngineCore spawn + imports": 9.0,
+        "device + worker init": 1.0,
+        "model load": 1.0,
+        "warm-up + profile + KV cache": 28.0,
+        "API ready": 4.0,
+    }
     assert sum(got.values()) == 57.0
     # A log cut short (engine still loading): the stages seen, the rest in "API ready".
     partial = profiles.startup_breakdown("\n".join(log.splitlines()[:7]), spawned, ready_s=30.0, year=2026)
-    assert list(partial) == ["imports, API server", "config + tokenizer, API server", "EngineCore spawn + imports",
-                             "API ready"] and sum(partial.values()) == 30.0  # fmt: skip
+    assert (
+        list(partial)
+        == ["imports, API server", "config + tokenizer, API server", "EngineCore spawn + imports", "API ready"]
+        and sum(partial.values()) == 30.0
+    )
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
@@ -220,28 +249,44 @@ def test_ours_follows_the_launchers_default(tmp_path):
 
 
 def _stats(c: int, tp: float, p50: float = 1.0, wer: float | None = None, rps: float | None = None) -> LevelStats:
-    return LevelStats(concurrency=c, n=32, ok=32, wall_s=10.0, audio_s=10 * tp, throughput=tp, rps=rps, p50_s=p50,
-                      p95_s=2 * p50, wer=wer)  # fmt: skip
+    return LevelStats(
+        concurrency=c,
+        n=32,
+        ok=32,
+        wall_s=10.0,
+        audio_s=10 * tp,
+        throughput=tp,
+        rps=rps,
+        p50_s=p50,
+        p95_s=2 * p50,
+        wer=wer,
+    )
 
 
 def _results(plan: plans.Plan) -> Results:
     levels = plan.audio_levels
-    res = Results(cpu={"model": "Test CPU 9000", "isa": "avx2", "flags": ["avx2", "fma"], "cpus": 2},
-                  meta=Meta(date="2026-12-02", host="h", cpus=2, mem_bytes=2**34, loadavg_start="0.1",
-                            foreign_cores_limit=0.25), plan=plan,
-                  systems={s.key: SystemResult(spec=s) for s in plan.systems})  # fmt: skip
+    res = Results(
+        cpu={"model": "Test CPU 9000", "isa": "avx2", "flags": ["avx2", "fma"], "cpus": 2},
+        meta=Meta(date="2026-12-02", host="h", cpus=2, mem_bytes=2**34, loadavg_start="0.1", foreign_cores_limit=0.25),
+        plan=plan,
+        systems={s.key: SystemResult(spec=s) for s in plan.systems},
+    )
     ours, fw = res.systems[plan.ours], res.systems[plan.peer]
     ours.audio = {c: _stats(c, 20.0 * c) for c in levels}
     res.systems[plan.v1].audio = {c: _stats(c, 10.0 * c) for c in levels}
     fw.audio = {c: _stats(c, 5.0) for c in levels}
     # faster-whisper measured twice as fast during ours' phase as its pooled figure: the ratio pairs the phase
-    res.paired = {plan.ours: {plan.ours: {c: _stats(c, 20.0 * c, 0.5) for c in levels},
-                              plan.peer: {c: _stats(c, 10.0, 1.0) for c in levels},
-                              # OpenVINO: int8 the faster, fp32 the lower p50 (the best of each metric counts)
-                              "ov_fp32": {c: _stats(c, 8.0, 0.4) for c in levels},
-                              "ov_int8": {c: _stats(c, 16.0, 0.8) for c in levels},
-                              "wcpp_f16": {c: _stats(c, 4.0, 2.0) for c in levels},
-                              "wcpp_q8_0": {c: _stats(c, 5.0, 1.0) for c in levels}}}  # fmt: skip
+    res.paired = {
+        plan.ours: {
+            plan.ours: {c: _stats(c, 20.0 * c, 0.5) for c in levels},
+            plan.peer: {c: _stats(c, 10.0, 1.0) for c in levels},
+            # OpenVINO: int8 the faster, fp32 the lower p50 (the best of each metric counts)
+            "ov_fp32": {c: _stats(c, 8.0, 0.4) for c in levels},
+            "ov_int8": {c: _stats(c, 16.0, 0.8) for c in levels},
+            "wcpp_f16": {c: _stats(c, 4.0, 2.0) for c in levels},
+            "wcpp_q8_0": {c: _stats(c, 5.0, 1.0) for c in levels},
+        }
+    }
     if plan.stack:  # through the stack: ours 10 % slower, the peers as in the bare phase
         res.paired[plan.stack] = {who: dict(per) for who, per in res.paired[plan.ours].items() if who != plan.ours}
         res.paired[plan.stack][plan.stack] = {c: _stats(c, 18.0 * c, 0.6) for c in levels}
@@ -256,8 +301,10 @@ def _results(plan: plans.Plan) -> Results:
 def test_headline_from_a_typed_result(tmp_path):
     res = _results(_f32_plan(tmp_path))
     head = res.headline
-    assert set(head) == (ISSUE_17_KEYS | PEER_KEYS | BARE_KEYS | STARTUP_KEYS) - {"engine_ready_warm_s",
-                                                                                 "compose_up_to_serving_s"}
+    assert set(head) == (ISSUE_17_KEYS | PEER_KEYS | BARE_KEYS | STARTUP_KEYS) - {
+        "engine_ready_warm_s",
+        "compose_up_to_serving_s",
+    }
     # the headline is ours through the stack; the bare engine's figures are beside it
     assert head["audio_default/openvino_best@c=1"] == pytest.approx(18 / 16)  # against the faster OpenVINO
     assert head["bare_audio_default/openvino_best@c=1"] == pytest.approx(20 / 16)
@@ -296,17 +343,18 @@ def test_results_round_trip_through_json_and_the_report_leads_with_the_cpu(tmp_p
     assert "**(ours)**" in md
 
 
-
 def test_ours_follows_an_int8_default_and_keeps_a_float32_reference(tmp_path, monkeypatch):
     from mmcpu import defaults
     from mmcpu_dev.bench import defaults as sweep
-
     from mmcpu_dev.fixtures import config_only
 
     float_model = config_only(tmp_path / "whisper-tiny.en")
     int8_model = config_only(tmp_path / "whisper-tiny.en-int8", quantized=True)
-    row = defaults.Row(audio=defaults.Choice(dtype="bfloat16", quantization="int8"),
-                       vision=defaults.Choice(dtype="auto"), evidence="Not measured: test")
+    row = defaults.Row(
+        audio=defaults.Choice(dtype="bfloat16", quantization="int8"),
+        vision=defaults.Choice(dtype="auto"),
+        evidence="Not measured: test",
+    )
     monkeypatch.setattr(defaults, "table", lambda: defaults.Table(rule="t", rows={i: row for i in defaults.ISAS}))
     plan = _plan(tmp_path)
     ours, v1 = plan.system(plan.ours), plan.system(plan.v1)

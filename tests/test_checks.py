@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmcpu_dev.checks import CheckFailed, openai_error_body, subtitle_text
 from mmcpu_dev import payloads
+from mmcpu_dev.checks import CheckFailed, openai_error_body, subtitle_text
 from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 
 SRT = "1\n00:00:00,000 --> 00:00:02,500\nhello there\n\n2\n00:00:02,500 --> 00:00:03,000\nbye\n"
@@ -89,8 +89,12 @@ def test_raw_multipart_is_parseable():
     from email.parser import BytesParser
     from email.policy import HTTP
 
-    req = payloads.raw_multipart("/v1/audio/transcriptions", {"model": "m"}, {"file": ("a.wav", b"RIFF\r\n", "audio/wav")})
-    msg = BytesParser(policy=HTTP).parsebytes(f"Content-Type: {req.headers['Content-Type']}\r\n\r\n".encode() + req.body)
+    req = payloads.raw_multipart(
+        "/v1/audio/transcriptions", {"model": "m"}, {"file": ("a.wav", b"RIFF\r\n", "audio/wav")}
+    )
+    msg = BytesParser(policy=HTTP).parsebytes(
+        f"Content-Type: {req.headers['Content-Type']}\r\n\r\n".encode() + req.body
+    )
     parts = {p.get_param("name", header="content-disposition"): p for p in msg.iter_parts()}
     assert parts["model"].get_content().strip() == "m"
     assert parts["file"].get_filename() == "a.wav" and parts["file"].get_payload(decode=True) == b"RIFF\r\n"
@@ -108,10 +112,24 @@ def test_hard_input_catalogue():
         assert case.pending is None or case.pending in hard_inputs.PENDING
         request = case.build("some-model")
         assert isinstance(request, (hard_inputs.OpenAICall, payloads.RawRequest, hard_inputs.SlowBody))
-    required = {"decompression-bomb-png", "huge-dimensions-jpeg", "too-many-images", "audio-too-long",
-                "truncated-mp3", "truncated-ogg", "truncated-flac", "zero-length-audio", "model-not-a-string",
-                "wrong-content-type-audio", "multipart-without-file", "invalid-response-format",
-                "temperature-above-range-chat", "n-zero", "malformed-image-url", "unsupported-url-scheme"}
+    required = {
+        "decompression-bomb-png",
+        "huge-dimensions-jpeg",
+        "too-many-images",
+        "audio-too-long",
+        "truncated-mp3",
+        "truncated-ogg",
+        "truncated-flac",
+        "zero-length-audio",
+        "model-not-a-string",
+        "wrong-content-type-audio",
+        "multipart-without-file",
+        "invalid-response-format",
+        "temperature-above-range-chat",
+        "n-zero",
+        "malformed-image-url",
+        "unsupported-url-scheme",
+    }
     assert required <= set(names)
 
 

@@ -18,8 +18,7 @@ from mmcpu.config import REPO_ROOT, Settings
 SERVICES = {"audio", "vision", "gateway"}
 ENGINES = {"audio", "vision"}
 # Fixed inside the containers (ports, in-container URLs and paths), so compose must not pass them through.
-CONTAINER_FIXED = {"host", "gateway_port", "audio_port", "vision_port", "engines", "cache_dir",
-                   "models_dir"}
+CONTAINER_FIXED = {"host", "gateway_port", "audio_port", "vision_port", "engines", "cache_dir", "models_dir"}
 # Each secret goes to the services that use it and to no other (the smoke client is a client of the gateway).
 SECRETS = {
     "MMCPU_API_KEY": {"gateway", "smoke"},
@@ -71,9 +70,12 @@ def test_docker_compose_1_29_accepts_both_files():
 
 
 def test_every_setting_reaches_every_service(default):
-    wanted = {f"MMCPU_{name.upper()}" for name in Settings.model_fields} - {
-        f"MMCPU_{name.upper()}" for name in CONTAINER_FIXED
-    } - set(SECRETS) - set(ONLY)
+    wanted = (
+        {f"MMCPU_{name.upper()}" for name in Settings.model_fields}
+        - {f"MMCPU_{name.upper()}" for name in CONTAINER_FIXED}
+        - set(SECRETS)
+        - set(ONLY)
+    )
     assert set(default) == SERVICES
     for name, service in default.items():
         env = set(service["environment"])
@@ -84,8 +86,9 @@ def test_every_setting_reaches_every_service(default):
 
 
 def test_gateway_published_on_loopback_by_default_and_movable(default):
-    assert [p["host_ip"] if isinstance(p, dict) else str(p).split(":")[0] for p in default["gateway"]["ports"]] == \
-        ["127.0.0.1"], default["gateway"]["ports"]
+    assert [p["host_ip"] if isinstance(p, dict) else str(p).split(":")[0] for p in default["gateway"]["ports"]] == [
+        "127.0.0.1"
+    ], default["gateway"]["ports"]
     for name in ("audio", "vision"):
         assert not default[name].get("ports"), f"{name} must stay internal"
     everywhere = render(MMCPU_PUBLISH="8000")["services"]["gateway"]["ports"]
@@ -110,8 +113,12 @@ def test_default_limits_parse_and_leave_room_above_the_measured_peaks(default):
 
 
 def test_limits_follow_their_env_overrides():
-    services = render(MMCPU_AUDIO_MEM_LIMIT="7g", MMCPU_VISION_MEM_LIMIT="3500m", MMCPU_GATEWAY_MEM_LIMIT="256m",
-                      MMCPU_AUDIO_CPUS="1.5")["services"]
+    services = render(
+        MMCPU_AUDIO_MEM_LIMIT="7g",
+        MMCPU_VISION_MEM_LIMIT="3500m",
+        MMCPU_GATEWAY_MEM_LIMIT="256m",
+        MMCPU_AUDIO_CPUS="1.5",
+    )["services"]
     assert size_bytes(services["audio"]["mem_limit"]) == 7 * 2**30
     assert size_bytes(services["vision"]["mem_limit"]) == 3500 * 2**20
     assert size_bytes(services["gateway"]["memswap_limit"]) == 256 * 2**20
@@ -185,7 +192,9 @@ def test_each_service_gets_only_its_own_secrets():
     services["vision"]["environment"]["MMCPU_EXTRA_ARGS"] = f"--api-key {values['MMCPU_API_KEY']}"
     del services["audio"]["environment"]["MMCPU_ENGINE_API_KEY"]
     assert leaks(services, values) == [
-        "audio: lacks MMCPU_ENGINE_API_KEY", "vision: carries MMCPU_API_KEY's value in ['MMCPU_EXTRA_ARGS']"]
+        "audio: lacks MMCPU_ENGINE_API_KEY",
+        "vision: carries MMCPU_API_KEY's value in ['MMCPU_EXTRA_ARGS']",
+    ]
 
 
 def test_side_only_settings_stay_on_their_side(default):
@@ -198,8 +207,7 @@ def test_unauthenticated_only_while_published_on_loopback(default):
     sets the key or turns the allowance off gets the fail-closed gateway."""
     gateway = default["gateway"]
     assert str(gateway["environment"]["MMCPU_ALLOW_UNAUTHENTICATED"]).lower() == "true"
-    assert all((p["host_ip"] if isinstance(p, dict) else str(p).split(":")[0]) == "127.0.0.1"
-               for p in gateway["ports"])
+    assert all((p["host_ip"] if isinstance(p, dict) else str(p).split(":")[0]) == "127.0.0.1" for p in gateway["ports"])
     closed = render(MMCPU_ALLOW_UNAUTHENTICATED="false")["services"]["gateway"]["environment"]
     assert closed["MMCPU_ALLOW_UNAUTHENTICATED"] == "false"
 
@@ -220,8 +228,10 @@ def hardening_problems(services: dict) -> list[str]:
             problems.append(f"{name}: no sized noexec,nosuid tmpfs on /tmp")
         if "ALL" not in (s.get("cap_drop") or []) or s.get("cap_add"):
             problems.append(f"{name}: capabilities not all dropped ({s.get('cap_drop')}, add {s.get('cap_add')})")
-        if not any(str(o).replace("=", ":") in ("no-new-privileges", "no-new-privileges:true")
-                   for o in s.get("security_opt") or []):
+        if not any(
+            str(o).replace("=", ":") in ("no-new-privileges", "no-new-privileges:true")
+            for o in s.get("security_opt") or []
+        ):
             problems.append(f"{name}: no no-new-privileges")
         if s.get("privileged") or s.get("devices") or s.get("user") in ("0", "root", 0):
             problems.append(f"{name}: privileged, devices or root user")
@@ -229,7 +239,11 @@ def hardening_problems(services: dict) -> list[str]:
             if str(s.get(key, "")).startswith("host"):
                 problems.append(f"{name}: {key} host")
         for volume in s.get("volumes") or []:
-            kind = volume.get("type") if isinstance(volume, dict) else ("bind" if str(volume).startswith("/") else "volume")
+            kind = (
+                volume.get("type")
+                if isinstance(volume, dict)
+                else ("bind" if str(volume).startswith("/") else "volume")
+            )
             if kind != "volume":
                 problems.append(f"{name}: {kind} mount {volume}")
         if s.get("init") is not False:
@@ -243,9 +257,14 @@ def test_every_service_is_hardened():
     assert hardening_problems(services) == []
     # Each rule fails when its setting goes.
     for key, value, expected in [
-        ("read_only", False, "not read-only"), ("cap_drop", [], "capabilities"), ("security_opt", [], "no-new"),
-        ("tmpfs", ["/tmp"], "tmpfs on /tmp"), ("tmpfs", ["/tmp:size=1g"], "tmpfs on /tmp"), ("init", True, "init is True"),
-        ("pid", "host", "pid host"), ("volumes", ["/:/host"], "bind mount"),
+        ("read_only", False, "not read-only"),
+        ("cap_drop", [], "capabilities"),
+        ("security_opt", [], "no-new"),
+        ("tmpfs", ["/tmp"], "tmpfs on /tmp"),
+        ("tmpfs", ["/tmp:size=1g"], "tmpfs on /tmp"),
+        ("init", True, "init is True"),
+        ("pid", "host", "pid host"),
+        ("volumes", ["/:/host"], "bind mount"),
     ]:
         broken = {"audio": dict(services["audio"], **{key: value})}
         assert any(expected in p for p in hardening_problems(broken)), (key, hardening_problems(broken))

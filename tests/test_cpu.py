@@ -33,12 +33,15 @@ flags\t\t: avx2 fma avx512f avx512_vnni avx512_bf16 avx512_vp2intersect
 """
 
 
-@pytest.mark.parametrize(("text", "isa", "flags"), [
-    (INTEL, "amx", ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")),
-    (AMD_AVX2, "avx2", ("avx2", "fma")),
-    (AMD_AVX512, "avx512_bf16", ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16")),
-    ("", "baseline", ()),
-])
+@pytest.mark.parametrize(
+    ("text", "isa", "flags"),
+    [
+        (INTEL, "amx", ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")),
+        (AMD_AVX2, "avx2", ("avx2", "fma")),
+        (AMD_AVX512, "avx512_bf16", ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16")),
+        ("", "baseline", ()),
+    ],
+)
 def test_isa_class_and_flags_from_cpuinfo(text, isa, flags):
     info = cpu.parse_cpuinfo(text, cpus=2)
     assert (info.isa, info.flags) == (isa, flags)
@@ -61,21 +64,26 @@ def test_this_machine(tmp_path):
 def test_loaded_vllm_c_reads_the_process_maps(tmp_path):
     maps = tmp_path / "maps"
     so = "/venv/lib/python3.11/site-packages/vllm/_C_AVX512.abi3.so"
-    maps.write_text(f"7f00-7f10 r-xp 00000000 08:01 1 {so}\n7f10-7f20 r--p 00000000 08:01 1 {so}\n"
-                    "7f20-7f30 r-xp 00000000 08:01 2 /usr/lib/libc.so.6\n"
-                    "7f30-7f40 r-xp 00000000 08:01 3 /venv/lib/python3.11/site-packages/torch/lib/_C.so\n")
+    maps.write_text(
+        f"7f00-7f10 r-xp 00000000 08:01 1 {so}\n7f10-7f20 r--p 00000000 08:01 1 {so}\n"
+        "7f20-7f30 r-xp 00000000 08:01 2 /usr/lib/libc.so.6\n"
+        "7f30-7f40 r-xp 00000000 08:01 3 /venv/lib/python3.11/site-packages/torch/lib/_C.so\n"
+    )
     assert cpu.loaded_vllm_c(maps) == ["_C_AVX512.abi3.so"]
     assert cpu.loaded_vllm_c(tmp_path / "none") == []
 
 
 # --- how much of it: the cgroup's quota and this process's affinity ---------------------------------------------
-@pytest.mark.parametrize("files, expected", [
-    ({"cpu.max": "max 100000\n"}, None),
-    ({"cpu.max": "150000 100000\n"}, 1.5),
-    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
-    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "150000 100000\n"}, 1.5),
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
 def test_cgroup_cpu_quota(tmp_path, files, expected):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,13 @@ def test_every_isa_class_has_a_row_and_bf16_only_where_the_hardware_has_it():
     for isa in ("avx512", "avx2", "baseline"):  # bf16 is emulated there (whisper-base 4.3x slower on the AVX2 EPYC)
         for role in ("audio", "vision"):
             assert getattr(rows[isa], role).dtype == "float32", (isa, role)
-    flags = [(), ("avx2", "fma"), ("avx2", "avx512f"), ("avx2", "avx512f", "avx512_bf16"),
-             ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")]
+    flags = [
+        (),
+        ("avx2", "fma"),
+        ("avx2", "avx512f"),
+        ("avx2", "avx512f", "avx512_bf16"),
+        ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"),
+    ]
     assert {cpu.CpuInfo("m", "v", "1", 2, f).isa for f in flags} == set(rows)  # every class a CPU can fall in
 
 
@@ -77,9 +82,11 @@ def checkpoint(path: Path, *, whisper: bool = True, quantized: bool = False) -> 
 @pytest.fixture
 def table(monkeypatch):
     """Every ISA class's row set to one choice: what the launcher does with a row, whichever CPU runs the test."""
+
     def use(audio: Choice, vision: Choice = F32) -> None:
         row = Row(audio=audio, vision=vision, evidence="Not measured: test")
         monkeypatch.setattr(defaults, "table", lambda: Table(rule="test", rows={i: row for i in defaults.ISAS}))
+
     return use
 
 
@@ -95,8 +102,12 @@ def test_int8_row_loads_the_int8_checkpoint_beside_the_model_under_the_models_na
     assert argv[argv.index("--served-model-name") + 1] == "whisper-x"  # clients keep the name they know
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
     # mmcpu-serve serves the checkpoint it is given unless int8 is asked for
-    assert defaults.resolve("audio", model, dtype=None, quantization="auto", speech=True,
-                            apply_table_quantization=False).model == model
+    assert (
+        defaults.resolve(
+            "audio", model, dtype=None, quantization="auto", speech=True, apply_table_quantization=False
+        ).model
+        == model
+    )
     # settings override the row
     got = defaults.resolve("audio", model, dtype="float32", quantization="none", speech=True)
     assert (got.model, got.dtype, got.quantization) == (model, "float32", "none")
@@ -113,8 +124,9 @@ def test_interpreter_mode_turns_a_bf16_default_into_float32_but_keeps_an_explici
     assert defaults.resolve("audio", model, dtype=None, quantization="auto", speech=True).dtype == "bfloat16"
     got = defaults.resolve("audio", model, dtype="bfloat16", quantization="auto", speech=True, interpreter=True)
     assert got.dtype == "bfloat16" and "MMCPU_DTYPE" in got.why
-    [(_, argv, _)] = launch.role_commands("audio", Settings(audio_model=model, kernels="interpreter"),
-                                          cpus=launch.Cpus((0, 1)))
+    [(_, argv, _)] = launch.role_commands(
+        "audio", Settings(audio_model=model, kernels="interpreter"), cpus=launch.Cpus((0, 1))
+    )
     assert argv[argv.index("--dtype") + 1] == "float32"
 
 
@@ -128,18 +140,23 @@ def test_int8_default_without_an_int8_checkpoint_serves_float_and_says_why(tmp_p
     assert defaults.resolve("vision", vision, dtype=None, quantization="auto", speech=False).quantization == "none"
 
 
-@pytest.mark.parametrize("case, needle", [
-    ("int8-missing", "no int8 checkpoint beside"),
-    ("int8-vision", "applies to Whisper checkpoints only"),
-    ("none-quantized", "is itself a quantised checkpoint"),
-])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("int8-missing", "no int8 checkpoint beside"),
+        ("int8-vision", "applies to Whisper checkpoints only"),
+        ("none-quantized", "is itself a quantised checkpoint"),
+    ],
+)
 def test_settings_that_cannot_be_honoured_are_refused_in_one_line(tmp_path, table, case, needle):
     table(F32)
     whisper, llava = checkpoint(tmp_path / "w"), checkpoint(tmp_path / "l", whisper=False)
     quantized = checkpoint(tmp_path / "q", quantized=True)
-    role, model, speech, q = {"int8-missing": ("audio", whisper, True, "int8"),
-                              "int8-vision": ("vision", llava, False, "int8"),
-                              "none-quantized": ("audio", quantized, True, "none")}[case]
+    role, model, speech, q = {
+        "int8-missing": ("audio", whisper, True, "int8"),
+        "int8-vision": ("vision", llava, False, "int8"),
+        "none-quantized": ("audio", quantized, True, "none"),
+    }[case]
     with pytest.raises(Refused, match=needle) as err:
         defaults.resolve(role, model, dtype=None, quantization=q, speech=speech)
     assert "\n" not in str(err.value)
@@ -158,8 +175,10 @@ def test_launcher_logs_the_choice_and_refuses_with_exit_2(monkeypatch, capsys, t
     try:
         assert launch.entrypoint(["audio"]) == 0
         err = capsys.readouterr().err
-        assert f"[mmcpu] audio: dtype float32, quantization int8 ({model}-int8): dtype and quantization: per-CPU " \
-               "default for isa" in err
+        assert (
+            f"[mmcpu] audio: dtype float32, quantization int8 ({model}-int8): dtype and quantization: per-CPU "
+            "default for isa" in err
+        )
         assert f"[mmcpu] audio: CPU {cpu.current().line()}" in err  # the ISA the choice was made for
         assert launch.main(["--model", model]) == 0  # mmcpu-serve: the model as given
         assert f"[mmcpu] engine: dtype float32, quantization none ({model})" in capsys.readouterr().err

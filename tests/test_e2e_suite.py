@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from e2e.harness import docker_time, human
+
 from mmcpu_dev.smoke import LOAD_RECORD, LOAD_SUMMARY, read_load
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +25,13 @@ def test_script_parses_and_names_its_commands():
 
 
 def collect(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
 
 
 def test_e2e_suite_collects_marked_and_apart_from_make_test():
@@ -44,8 +50,14 @@ def test_e2e_suite_collects_marked_and_apart_from_make_test():
 def test_read_load_takes_records_and_summary_and_skips_a_partial_line():
     record = {"i": 0, "kind": "audio", "sampling": False, "t0": 1.0, "ok": True, "t1": 2.0}
     summary = {"requests": 1, "failures": 0}
-    output = "\n".join([f"{LOAD_RECORD}{json.dumps(record)}", "[smoke] other", f"{LOAD_SUMMARY}{json.dumps(summary)}",
-                        f'{LOAD_RECORD}{{"i": 1, "ki'])
+    output = "\n".join(
+        [
+            f"{LOAD_RECORD}{json.dumps(record)}",
+            "[smoke] other",
+            f"{LOAD_SUMMARY}{json.dumps(summary)}",
+            f'{LOAD_RECORD}{{"i": 1, "ki',
+        ]
+    )
     assert read_load(output) == ([record], summary)
     assert read_load("") == ([], None)
 

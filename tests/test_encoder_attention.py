@@ -45,13 +45,16 @@ def kernel_here(impl: str, dtype: torch.dtype, d: int, h: int, hkv: int) -> None
     if why := lacking_isa(impl):
         pytest.skip(why)
     if not A.has_impl(impl):
-        pytest.fail(f"{impl}: this CPU has what it needs ({CPU.line()}) but the _C vLLM loaded "
-                    f"({cpu.loaded_vllm_c()}) has no such op")
+        pytest.fail(
+            f"{impl}: this CPU has what it needs ({CPU.line()}) but the _C vLLM loaded "
+            f"({cpu.loaded_vllm_c()}) has no such op"
+        )
     if why := A.unsupported(impl, dtype, d):
         pytest.skip(f"{impl}: {why}")
     if why := A.self_check(impl, dtype, d, h, hkv):
-        pytest.fail(f"{impl} fails its self-check on this CPU ({CPU.line()}), {dtype}, head size {d}, {h}/{hkv} "
-                    f"heads: {why}")
+        pytest.fail(
+            f"{impl} fails its self-check on this CPU ({CPU.line()}), {dtype}, head size {d}, {h}/{hkv} heads: {why}"
+        )
 
 
 def qkv_views(b, s, h, hkv, d, dtype, gen):
@@ -72,8 +75,7 @@ def random_cu(s: int, gen: torch.Generator, pad: int) -> torch.Tensor:
 def cases(n: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     fixed = [(1, 1500, 6, 6, 64, False), (1, 17, 2, 2, 32, False), (1, 2048, 2, 2, 32, True), (2, 300, 8, 8, 64, False)]
-    for case in fixed:
-        yield case
+    yield from fixed
     for _ in range(n):
         b = int(torch.randint(1, 4, (1,), generator=gen))
         s = int(torch.randint(1, 300, (1,), generator=gen))
@@ -182,10 +184,18 @@ def test_forced_avx2_build_falls_back_to_the_paged_kernel():
             assert err <= A.tolerance(dt, v.float().abs().max().item()), err
         print("ok")
     """)
-    if not (A.has_impl("cpu_attn") and any("AVX2" in p.name for p in (REPO_ROOT / ".cache").glob("venv/lib/*/site-packages/vllm/_C_AVX2*.so"))):
+    if not (
+        A.has_impl("cpu_attn")
+        and any("AVX2" in p.name for p in (REPO_ROOT / ".cache").glob("venv/lib/*/site-packages/vllm/_C_AVX2*.so"))
+    ):
         pytest.skip("no AVX2 build of vLLM here")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"},
+    )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
 
 
@@ -201,8 +211,9 @@ def test_kernels_read_qkv_views_as_dense_copies(case, impl):
     assert not q.is_contiguous() and A._flat(q).data_ptr() == q.data_ptr()  # a view, not a copy
     cu = random_cu(s, gen, pad=1) if varlen else None
     fn, gqa = getattr(A, impl), h != hkv
-    assert torch.equal(fn(q, k, v, d**-0.5, cu, gqa),
-                       fn(q.contiguous(), k.contiguous(), v.contiguous(), d**-0.5, cu, gqa))
+    assert torch.equal(
+        fn(q, k, v, d**-0.5, cu, gqa), fn(q.contiguous(), k.contiguous(), v.contiguous(), d**-0.5, cu, gqa)
+    )
 
 
 def test_vllm_wrapper_routes_here_and_its_layout_is_dense():
@@ -233,7 +244,8 @@ def test_vllm_wrapper_routes_here_and_its_layout_is_dense():
     assert seen == [True]
     vmax = v.float().abs().max().item()
     assert (out.float() - A.sdpa_strided(q, k, v, 0.125).float()).abs().max().item() <= 2 * A.tolerance(
-        torch.bfloat16, vmax)
+        torch.bfloat16, vmax
+    )
 
 
 def test_bench_shapes_follow_the_fixture_configs():

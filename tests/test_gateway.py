@@ -7,9 +7,9 @@ with SSE, vLLM-style error bodies) and record what reached them, so the tests ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
-import contextlib
 import json
 import logging
 import os
@@ -74,8 +74,14 @@ class StandInEngine:
         return self.served.url
 
     def _not_found(self, model: str) -> JSONResponse:
-        body = {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
-                          "param": "model", "code": 404}}
+        body = {
+            "error": {
+                "message": f"The model `{model}` does not exist.",
+                "type": "NotFoundError",
+                "param": "model",
+                "code": 404,
+            }
+        }
         return JSONResponse(body, status_code=404)
 
     def _app(self) -> FastAPI:
@@ -89,10 +95,13 @@ class StandInEngine:
         async def models() -> dict[str, Any]:
             self.model_listings += 1
             extra = {} if self.max_model_len is None else {"max_model_len": self.max_model_len}
-            return {"object": "list", "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": f"vllm-{self.name}", **extra}
-                for m in self.models
-            ]}
+            return {
+                "object": "list",
+                "data": [
+                    {"id": m, "object": "model", "created": 0, "owned_by": f"vllm-{self.name}", **extra}
+                    for m in self.models
+                ],
+            }
 
         @app.post("/v1/audio/transcriptions")
         @app.post("/v1/audio/translations")
@@ -101,17 +110,30 @@ class StandInEngine:
             form = await request.form()
             upload = form["file"]
             data = await upload.read()
-            self.requests.append({
-                "path": request.url.path, "raw": raw, "file_sha": hashlib.sha256(data).hexdigest(),
-                "content_length": request.headers.get("content-length"),
-                "transfer_encoding": request.headers.get("transfer-encoding"),
-                "form": {k: v for k, v in form.items() if k != "file"},
-            })
+            self.requests.append(
+                {
+                    "path": request.url.path,
+                    "raw": raw,
+                    "file_sha": hashlib.sha256(data).hexdigest(),
+                    "content_length": request.headers.get("content-length"),
+                    "transfer_encoding": request.headers.get("transfer-encoding"),
+                    "form": {k: v for k, v in form.items() if k != "file"},
+                }
+            )
             if form["model"] not in self.models:
                 return self._not_found(str(form["model"]))
             if form.get("response_format") == "bogus":
-                return JSONResponse({"error": {"message": "unknown response_format", "type": "BadRequestError",
-                                               "param": "response_format", "code": 400}}, status_code=400)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "unknown response_format",
+                            "type": "BadRequestError",
+                            "param": "response_format",
+                            "code": 400,
+                        }
+                    },
+                    status_code=400,
+                )
             text = f"{self.name} heard {len(data)} bytes of {upload.filename}"
             if form.get("response_format") == "text":
                 return PlainTextResponse(text)
@@ -127,13 +149,31 @@ class StandInEngine:
             if model not in self.models:
                 return self._not_found(model)
             if body.get("max_tokens", 0) > 1000:
-                return JSONResponse({"error": {"message": "max_tokens is too large", "type": "BadRequestError",
-                                               "param": "max_tokens", "code": 400}}, status_code=400)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "max_tokens is too large",
+                            "type": "BadRequestError",
+                            "param": "max_tokens",
+                            "code": 400,
+                        }
+                    },
+                    status_code=400,
+                )
             content = body["messages"][-1]["content"]
             prompt = " ".join(p["text"] for p in content if p["type"] == "text")
             if "crash" in prompt:
-                return JSONResponse({"error": {"message": "EngineCore died", "type": "InternalServerError",
-                                               "param": None, "code": 500}}, status_code=500)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "EngineCore died",
+                            "type": "InternalServerError",
+                            "param": None,
+                            "code": 500,
+                        }
+                    },
+                    status_code=500,
+                )
             if "slow" in prompt:
                 await asyncio.sleep(3)
             if "hold" in prompt:  # like vLLM's with_cancellation: a client that goes away aborts the request
@@ -151,12 +191,22 @@ class StandInEngine:
             words = f"{self.name} saw {images} images".split()
             if body.get("stream"):
                 return StreamingResponse(self._sse(model, words), media_type="text/event-stream")
-            return JSONResponse({
-                "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(words)},
-                             "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": len(words), "total_tokens": 1 + len(words)},
-            })
+            return JSONResponse(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": " ".join(words)},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": len(words), "total_tokens": 1 + len(words)},
+                }
+            )
 
         return app
 
@@ -170,9 +220,13 @@ class StandInEngine:
                     deadline = time.monotonic() + HOLD_S
                     while not self.release.is_set() and time.monotonic() < deadline:
                         await asyncio.sleep(0.01)
-                chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
-                         "choices": [{"index": 0, "delta": {"content": (" " if i else "") + word},
-                                      "finish_reason": None}]}
+                chunk = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": model,
+                    "choices": [{"index": 0, "delta": {"content": (" " if i else "") + word}, "finish_reason": None}],
+                }
                 yield f"data: {json.dumps(chunk)}\n\n"
             self.stream_finished.set()
             yield "data: [DONE]\n\n"
@@ -195,8 +249,13 @@ def engines() -> Iterator[tuple[StandInEngine, StandInEngine]]:
 
 
 def _settings(audio: StandInEngine, vision: StandInEngine, **overrides: Any) -> Settings:
-    values: dict[str, Any] = {"engines": f"audio={audio.url},vision={vision.url}", "max_upload_mb": LIMIT_MB,
-                              "request_timeout_s": 10, "health_timeout_s": 2, "api_key": None} | overrides
+    values: dict[str, Any] = {
+        "engines": f"audio={audio.url},vision={vision.url}",
+        "max_upload_mb": LIMIT_MB,
+        "request_timeout_s": 10,
+        "health_timeout_s": 2,
+        "api_key": None,
+    } | overrides
     return Settings(**values)
 
 
@@ -225,7 +284,8 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None,
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
     }
 
 
@@ -248,7 +308,7 @@ def multipart(*parts: tuple[str, bytes | str, str | None]) -> bytes:
 def chunked(body: bytes, size: int = 4096) -> Iterator[bytes]:
     """No Content-Length: the body arrives chunked."""
     for i in range(0, len(body), size):
-        yield body[i:i + size]
+        yield body[i : i + size]
 
 
 # --- happy paths with the real openai client ---------------------------------------------------------------
@@ -318,9 +378,11 @@ def test_audio_routed_by_model_to_either_of_two_audio_engines() -> None:
     client = client_for(served)
     try:
         assert client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model="whisper-b")).text.startswith(
-            "second heard")
+            "second heard"
+        )
         assert client.audio.transcriptions.create(**transcription_kwargs(SPEECH, model="whisper-a")).text.startswith(
-            "first heard")
+            "first heard"
+        )
         assert [len(first.requests), len(second.requests)] == [1, 1]
         # the model field after the file (the gateway reads up to it, then sends all bytes on), chunked
         body = multipart(("file", SPEECH, "a.wav"), ("model", "whisper-b", None), ("language", "en", None))
@@ -339,7 +401,7 @@ def test_model_field_found_across_any_chunking() -> None:
     body = multipart(("file", b"x" * 50, "a.wav"), ("model", "whisper-b", None), ("model", "later", None))
     field = _ModelField(BOUNDARY.encode())
     for i in range(len(body)):
-        field.parser.write(body[i:i + 1])
+        field.parser.write(body[i : i + 1])
         if field.done:
             break
     assert field.done and bytes(field.value) == b"whisper-b" and not field.is_file
@@ -433,8 +495,9 @@ def test_unknown_model_404(gateway: ServedApp) -> None:
 
 
 def test_bad_chat_bodies_400(gateway: ServedApp) -> None:
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert_openai_error(r, 400, None, "invalid_request_error")
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json={"messages": []})
     assert assert_openai_error(r, 400, None)["param"] == "model"
@@ -443,17 +506,25 @@ def test_bad_chat_bodies_400(gateway: ServedApp) -> None:
 
 
 def test_engine_errors_pass_through(gateway: ServedApp, engines) -> None:
-    r = httpx.post(f"{gateway.url}/v1/chat/completions",
-                   json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, max_tokens=5000))
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, max_tokens=5000),
+    )
     assert r.status_code == 400
-    assert r.json() == {"error": {"message": "max_tokens is too large", "type": "BadRequestError",
-                                  "param": "max_tokens", "code": 400}}
-    r = httpx.post(f"{gateway.url}/v1/chat/completions",
-                   json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="crash now"))
+    assert r.json() == {
+        "error": {"message": "max_tokens is too large", "type": "BadRequestError", "param": "max_tokens", "code": 400}
+    }
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="crash now"),
+    )
     assert r.status_code == 500 and r.json()["error"]["message"] == "EngineCore died"
     # an engine's own 4xx on audio comes back as it was too
-    r = httpx.post(f"{gateway.url}/v1/audio/transcriptions", files={"file": ("a.wav", SPEECH)},
-                   data={"model": AUDIO_MODEL, "response_format": "bogus"})
+    r = httpx.post(
+        f"{gateway.url}/v1/audio/transcriptions",
+        files={"file": ("a.wav", SPEECH)},
+        data={"model": AUDIO_MODEL, "response_format": "bogus"},
+    )
     assert r.status_code == 400 and r.json()["error"]["message"] == "unknown response_format"
 
 
@@ -485,8 +556,11 @@ def test_body_limit_413(gateway: ServedApp, engines) -> None:
 def test_timeout_504(engines) -> None:
     served = ServedApp(create_app(_settings(*engines, request_timeout_s=0.5)))
     try:
-        r = httpx.post(f"{served.url}/v1/chat/completions",
-                       json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="slow"), timeout=10)
+        r = httpx.post(
+            f"{served.url}/v1/chat/completions",
+            json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="slow"),
+            timeout=10,
+        )
         assert_openai_error(r, 504, "engine_timeout", "server_error")
     finally:
         served.stop()
@@ -551,7 +625,8 @@ def failed_connects(served: ServedApp, engine: str) -> float:
     count), read from the app's registry: a /metrics request would probe the engines first and so change the very
     state a test looks at."""
     value = served.app.state.metrics.registry.get_sample_value(
-        "mmcpu_gateway_upstream_errors_total", {"engine": engine, "kind": "connect"})
+        "mmcpu_gateway_upstream_errors_total", {"engine": engine, "kind": "connect"}
+    )
     return value or 0.0
 
 
@@ -606,8 +681,10 @@ def test_engine_down_503_others_serve_then_recovers() -> None:
         seen = served.app.state.upstreams.engines["vision"]
         back_s = wait_for(lambda: seen.up, 10 * RECHECK_S, "background re-probe")
         assert vision.model_listings > listings and seen.serves("late-model")
-        print(f"\n[down engine: first 503 in {first_s * 1000:.0f} ms, then {cached_s * 1000:.0f} ms; "
-              f"re-listed {back_s:.2f} s after it came back]")
+        print(
+            f"\n[down engine: first 503 in {first_s * 1000:.0f} ms, then {cached_s * 1000:.0f} ms; "
+            f"re-listed {back_s:.2f} s after it came back]"
+        )
         assert client.chat.completions.create(**chat).choices[0].message.content == "vision saw 2 images"
         late = image_chat_kwargs([make_image(1)], model="late-model")
         assert client.chat.completions.create(**late).choices[0].message.content == "vision saw 1 images"
@@ -678,8 +755,9 @@ def test_all_engines_down() -> None:
         audio.served.stop()
         vision.served.stop()
         assert_openai_error(httpx.get(f"{served.url}/v1/models"), 503, "engine_unavailable")
-        r = httpx.post(f"{served.url}/v1/audio/transcriptions", files={"file": ("a.wav", SPEECH)},
-                       data={"model": AUDIO_MODEL})
+        r = httpx.post(
+            f"{served.url}/v1/audio/transcriptions", files={"file": ("a.wav", SPEECH)}, data={"model": AUDIO_MODEL}
+        )
         assert_openai_error(r, 503, "engine_unavailable")
         r = httpx.get(f"{served.url}/health")
         assert r.status_code == 503 and r.json()["status"] == "unavailable"
@@ -722,8 +800,14 @@ def test_one_log_line_per_request(gateway: ServedApp, caplog: pytest.LogCaptureF
 def _gateway_process(engine: StandInEngine, drain_s: float, log_path) -> tuple[subprocess.Popen, str]:
     # Port 0: the gateway binds a free port itself and uvicorn logs which one (a port picked here and let go could
     # be taken by someone else before the gateway binds it).
-    env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_GATEWAY_PORT="0", MMCPU_ENGINES=f"vision={engine.url}",
-               MMCPU_DRAIN_S=str(drain_s), MMCPU_API_KEY="")
+    env = dict(
+        os.environ,
+        MMCPU_HOST="127.0.0.1",
+        MMCPU_GATEWAY_PORT="0",
+        MMCPU_ENGINES=f"vision={engine.url}",
+        MMCPU_DRAIN_S=str(drain_s),
+        MMCPU_API_KEY="",
+    )
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=env, stdout=log, stderr=subprocess.STDOUT)
     running = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
@@ -732,7 +816,9 @@ def _gateway_process(engine: StandInEngine, drain_s: float, log_path) -> tuple[s
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"gateway did not start (exit {proc.returncode}):\n{log_path.read_text(errors='replace')}")
+            raise RuntimeError(
+                f"gateway did not start (exit {proc.returncode}):\n{log_path.read_text(errors='replace')}"
+            )
         time.sleep(0.05)
     url = f"http://127.0.0.1:{found.group(1)}"
     wait_until_ok(f"{url}/ping", proc, 30, "gateway", log_path)
@@ -820,11 +906,15 @@ def test_drain_time_bounds_the_wait(tmp_path) -> None:
 def _hold_chat(served: ServedApp, results: list, **kwargs: Any) -> threading.Thread:
     """A chat the stand-in holds until released (or its client goes), sent from a thread; its answer lands in
     ``results`` as (response or exception, seconds)."""
+
     def run() -> None:
         start = time.monotonic()
         try:
-            r = httpx.post(f"{served.url}/v1/chat/completions", **kwargs,
-                           json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="hold"))
+            r = httpx.post(
+                f"{served.url}/v1/chat/completions",
+                **kwargs,
+                json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt="hold"),
+            )
             results.append((r, time.monotonic() - start))
         except httpx.HTTPError as exc:
             results.append((exc, time.monotonic() - start))
@@ -839,8 +929,9 @@ def test_admission_limit_429_at_once_then_queue_bound_503() -> None:
     OpenAI's schema) and the queued one is answered 503 when its wait runs out, while the other engine, /health
     and the probes are untouched. Released, the engine serves again (places given back)."""
     audio, vision = _engines()
-    served = ServedApp(create_app(_settings(audio, vision, engine_concurrency=1, engine_queue=1, queue_timeout_s=2,
-                                            retry_after_s=3)))
+    served = ServedApp(
+        create_app(_settings(audio, vision, engine_concurrency=1, engine_queue=1, queue_timeout_s=2, retry_after_s=3))
+    )
     first: list = []
     queued: list = []
     try:
@@ -849,8 +940,9 @@ def test_admission_limit_429_at_once_then_queue_bound_503() -> None:
         wait_for(lambda: vision.holding == 1, 10, "the first chat at the engine")
         t2 = _hold_chat(served, queued, timeout=30)
         wait_for(lambda: served.app.state.upstreams.engines["vision"].admission.held == 2, 10, "one queued")
-        r, took = timed("POST", f"{served.url}/v1/chat/completions",
-                        json=image_chat_kwargs([make_image(1)], model=VISION_MODEL))
+        r, took = timed(
+            "POST", f"{served.url}/v1/chat/completions", json=image_chat_kwargs([make_image(1)], model=VISION_MODEL)
+        )
         error = assert_openai_error(r, 429, "engine_overloaded", "server_error")
         assert r.headers["retry-after"] == "3" and "MMCPU_ENGINE_QUEUE" in error["message"]
         assert took < 1, took  # not queued (the queue wait is 2 s); the bound allows for a busy machine
@@ -909,18 +1001,22 @@ def test_json_depth_and_size_400_before_parsing(gateway: ServedApp, engines) -> 
     }
     big = Settings.model_fields["max_json_items"].default
     wide = json.dumps({**image_chat_kwargs([make_image(1)], model=VISION_MODEL), "x": [0] * (big + 1)}).encode()
-    keys = json.dumps({**image_chat_kwargs([make_image(1)], model=VISION_MODEL),
-                       **{f"k{i}": 0 for i in range(big)}}).encode()
+    keys = json.dumps(
+        {**image_chat_kwargs([make_image(1)], model=VISION_MODEL), **{f"k{i}": 0 for i in range(big)}}
+    ).encode()
     served = ServedApp(create_app(_settings(*engines, max_upload_mb=8)))
     try:
         for code, body in [*bodies.items(), ("json_too_large", wide), ("json_too_large", keys)]:
-            r = httpx.post(f"{served.url}/v1/chat/completions", content=body,
-                           headers={"content-type": "application/json"})
+            r = httpx.post(
+                f"{served.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
             assert_openai_error(r, 400, code, "invalid_request_error")
         # brackets, quotes and backslashes inside strings are text, not structure
         text = '"[[{{' * 200 + '\\\\"' * 100
-        r = httpx.post(f"{served.url}/v1/chat/completions",
-                       json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt=text))
+        r = httpx.post(
+            f"{served.url}/v1/chat/completions",
+            json=image_chat_kwargs([make_image(1)], model=VISION_MODEL, prompt=text),
+        )
         assert r.status_code == 200, r.text
         nested = image_chat_kwargs([make_image(1)], model=VISION_MODEL)
         nested["x"] = functools.reduce(lambda inner, _: [inner], range(60), 0)  # 61 deep with the top object
@@ -938,9 +1034,12 @@ def test_n_best_of_and_max_tokens_bounded() -> None:
     served = ServedApp(create_app(_settings(audio, vision, max_n=4)))
     chat = image_chat_kwargs([make_image(1)], model=VISION_MODEL)
     try:
-        for extra, param, where in [({"n": 5}, "n", "MMCPU_MAX_N"), ({"best_of": 10_000}, "best_of", "MMCPU_MAX_N"),
-                                    ({"max_tokens": 10**9}, "max_tokens", "model length"),
-                                    ({"max_completion_tokens": 2049}, "max_completion_tokens", "model length")]:
+        for extra, param, where in [
+            ({"n": 5}, "n", "MMCPU_MAX_N"),
+            ({"best_of": 10_000}, "best_of", "MMCPU_MAX_N"),
+            ({"max_tokens": 10**9}, "max_tokens", "model length"),
+            ({"max_completion_tokens": 2049}, "max_completion_tokens", "model length"),
+        ]:
             r = httpx.post(f"{served.url}/v1/chat/completions", json={**chat, **extra})
             error = assert_openai_error(r, 400, None, "invalid_request_error")
             assert error["param"] == param and where in error["message"], error
@@ -960,15 +1059,20 @@ def test_n_best_of_and_max_tokens_bounded() -> None:
         vision.served.stop()
 
 
-def _trickle(url: str, path: str, headers: dict[str, str], body: bytes, head: int, every_s: float,
-             limit_s: float) -> tuple[int | None, float, bytes]:
+def _trickle(
+    url: str, path: str, headers: dict[str, str], body: bytes, head: int, every_s: float, limit_s: float
+) -> tuple[int | None, float, bytes]:
     """``body`` announced by Content-Length, its first ``head`` bytes at once, then one byte per ``every_s`` until
     the server answers (or ``limit_s``): the status, when it came, the answer."""
     host, port = url.removeprefix("http://").split(":")
     start = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=limit_s) as sock:
-        lines = [f"POST {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}",
-                 *(f"{k}: {v}" for k, v in headers.items())]
+        lines = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {host}",
+            f"Content-Length: {len(body)}",
+            *(f"{k}: {v}" for k, v in headers.items()),
+        ]
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body[:head])
         sent = head
         answer = b""
@@ -983,7 +1087,7 @@ def _trickle(url: str, path: str, headers: dict[str, str], body: bytes, head: in
                     break
             elif sent < len(body):
                 with contextlib.suppress(OSError):
-                    sock.sendall(body[sent:sent + 1])
+                    sock.sendall(body[sent : sent + 1])
                 sent += 1
     status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
     return status, time.monotonic() - start, answer
@@ -994,12 +1098,14 @@ def test_slow_body_408_and_upload_time_is_not_engine_stall() -> None:
     streaming to its engine, whose place is given back); an upload that takes longer than MMCPU_STALL_S but
     arrives in time is served and its engine is not marked hung."""
     audio, vision = _engines()
-    served = ServedApp(create_app(_settings(audio, vision, body_timeout_s=1.5, stall_s=1, engine_concurrency=1,
-                                            engine_queue=0)))
+    served = ServedApp(
+        create_app(_settings(audio, vision, body_timeout_s=1.5, stall_s=1, engine_concurrency=1, engine_queue=0))
+    )
     try:
         chat = json.dumps(image_chat_kwargs([make_image(1)], model=VISION_MODEL)).encode()
-        status, took, answer = _trickle(served.url, "/v1/chat/completions", {"Content-Type": "application/json"},
-                                        chat, 100, 0.2, 10)
+        status, took, answer = _trickle(
+            served.url, "/v1/chat/completions", {"Content-Type": "application/json"}, chat, 100, 0.2, 10
+        )
         assert status == 408 and 1.4 < took < 4, (status, took, answer[-300:])
         assert b'"request_timeout"' in answer
         upload = multipart(("model", AUDIO_MODEL, None), ("file", SPEECH, "a.wav"))
@@ -1012,8 +1118,9 @@ def test_slow_body_408_and_upload_time_is_not_engine_stall() -> None:
     served = ServedApp(create_app(_settings(audio, vision, body_timeout_s=20, stall_s=1)))
     try:
         upload = multipart(("model", AUDIO_MODEL, None), ("file", SPEECH[:1200], "a.wav"))
-        status, took, answer = _trickle(served.url, "/v1/audio/transcriptions", MULTIPART, upload, len(upload) - 30,
-                                        0.1, 15)
+        status, took, answer = _trickle(
+            served.url, "/v1/audio/transcriptions", MULTIPART, upload, len(upload) - 30, 0.1, 15
+        )
         assert status == 200, answer[-400:]
         assert took > 2 and served.app.state.upstreams.engines["audio"].up, (took, answer[-400:])
     finally:
@@ -1034,23 +1141,34 @@ def test_health_says_only_up_or_down_without_the_key(engines) -> None:
         served.stop()
 
 
-@pytest.mark.parametrize("env, refused", [
-    ({"MMCPU_HOST": "0.0.0.0"}, True),
-    ({"MMCPU_HOST": "0.0.0.0", "MMCPU_API_KEY": ""}, True),
-    ({"MMCPU_HOST": "0.0.0.0", "MMCPU_ALLOW_UNAUTHENTICATED": "true"}, False),
-    ({"MMCPU_HOST": "0.0.0.0", "MMCPU_API_KEY": "k"}, False),
-    ({"MMCPU_HOST": "127.0.0.1"}, False),
-])
+@pytest.mark.parametrize(
+    "env, refused",
+    [
+        ({"MMCPU_HOST": "0.0.0.0"}, True),
+        ({"MMCPU_HOST": "0.0.0.0", "MMCPU_API_KEY": ""}, True),
+        ({"MMCPU_HOST": "0.0.0.0", "MMCPU_ALLOW_UNAUTHENTICATED": "true"}, False),
+        ({"MMCPU_HOST": "0.0.0.0", "MMCPU_API_KEY": "k"}, False),
+        ({"MMCPU_HOST": "127.0.0.1"}, False),
+    ],
+)
 def test_refuses_to_listen_beyond_loopback_without_a_key(env: dict[str, str], refused: bool) -> None:
     """The real entry point (python -m mmcpu.gateway): refused, it exits at once naming the way out; allowed, it
     starts serving (stopped after /ping answers)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("MMCPU_")} | env | {
-        "MMCPU_GATEWAY_PORT": str(port), "MMCPU_ENGINES": "audio=http://127.0.0.1:9"}
-    proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=child_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    child_env = (
+        {k: v for k, v in os.environ.items() if not k.startswith("MMCPU_")}
+        | env
+        | {"MMCPU_GATEWAY_PORT": str(port), "MMCPU_ENGINES": "audio=http://127.0.0.1:9"}
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmcpu.gateway"],
+        env=child_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         if refused:
             out, _ = proc.communicate(timeout=30)

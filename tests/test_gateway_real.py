@@ -12,10 +12,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmcpu_dev import speech
-from mmcpu_dev.checks import WER_LIMIT, expect_client_error, subtitle_text
 from mmcpu.config import Settings
 from mmcpu.gateway.app import create_app
+from mmcpu_dev import speech
+from mmcpu_dev.checks import WER_LIMIT, expect_client_error, subtitle_text
 from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu_dev.servers import Engine, ServedApp, wait_for
 
@@ -44,7 +44,9 @@ def test_both_modalities_through_one_base_url(client, clips, whisper_engine, lla
     (path, text) = clips[0]
     result = client.audio.transcriptions.create(**transcription_kwargs(path, model=whisper_engine.name))
     assert speech.word_error_rate([text], [result.text]) < WER_LIMIT
-    vtt = client.audio.transcriptions.create(**transcription_kwargs(path, model=whisper_engine.name, response_format="vtt"))
+    vtt = client.audio.transcriptions.create(
+        **transcription_kwargs(path, model=whisper_engine.name, response_format="vtt")
+    )
     assert speech.word_error_rate([text], [subtitle_text(vtt, "vtt")]) < WER_LIMIT
     reply = client.chat.completions.create(**image_chat_kwargs([test_image(1), test_image(2)], model=llava_engine.name))
     assert reply.choices[0].message.content.strip()
@@ -63,7 +65,9 @@ def test_engine_errors_pass_through(client, whisper_engine, llava_engine):
         lambda: client.audio.transcriptions.create(**transcription_kwargs(b"", model=whisper_engine.name)), {400}
     )
     expect_client_error(
-        lambda: client.chat.completions.create(**image_chat_kwargs(["data:image/png;base64,@@"], model=llava_engine.name)),
+        lambda: client.chat.completions.create(
+            **image_chat_kwargs(["data:image/png;base64,@@"], model=llava_engine.name)
+        ),
         {400},
     )
     error = expect_client_error(
@@ -76,8 +80,13 @@ def test_engine_errors_pass_through(client, whisper_engine, llava_engine):
 def finished_requests(engine: Engine) -> float:
     """Requests the vLLM engine itself counted as finished (its own /metrics)."""
     text = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "vllm:request_success"
-               for s in f.samples if s.name == "vllm:request_success_total")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "vllm:request_success"
+        for s in f.samples
+        if s.name == "vllm:request_success_total"
+    )
 
 
 def test_two_audio_engines_routed_by_model(whisper_engine, int8_engine, clips):
@@ -135,15 +144,15 @@ def test_client_disconnect_aborts_the_engine_request(gateway, llava_engine, stre
         thread = threading.Thread(target=client, daemon=True)
         thread.start()
     else:
-        thread = threading.Thread(target=_nonstream_hangup, args=(gateway, body, llava_engine, finished),
-                                  daemon=True)
+        thread = threading.Thread(target=_nonstream_hangup, args=(gateway, body, llava_engine, finished), daemon=True)
         thread.start()
     assert finished.wait(90), "the client did not get to hang up"
-    took = wait_for(lambda: running_requests(llava_engine) == 0, 15, "the engine's running count to drop",
-                    poll_s=0.1)
+    took = wait_for(lambda: running_requests(llava_engine) == 0, 15, "the engine's running count to drop", poll_s=0.1)
     tokens = engine_sample(llava_engine, "vllm:generation_tokens_total") - generated
-    print(f"\n[{'streamed' if stream else 'non-streamed'}: engine request aborted {took:.2f} s after the hang-up, "
-          f"{tokens:.0f} of {max_tokens} tokens generated]")
+    print(
+        f"\n[{'streamed' if stream else 'non-streamed'}: engine request aborted {took:.2f} s after the hang-up, "
+        f"{tokens:.0f} of {max_tokens} tokens generated]"
+    )
     assert tokens < max_tokens * 0.8, tokens
     assert llava_engine.alive()
 
@@ -153,7 +162,10 @@ def _nonstream_hangup(gateway, body, engine, finished) -> None:
     payload = json.dumps(body).encode()
     host, port = gateway.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
         wait_for(lambda: running_requests(engine) == 1, 60, "the request to run", poll_s=0.1)
     finished.set()

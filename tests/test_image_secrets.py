@@ -32,7 +32,9 @@ def build(tmp_path_factory):
         tag = f"mmcpu-test-secrets:{name}"
         subprocess.run(
             [DOCKER, "build", "-q", "--secret", f"id=ca,src={CA}", "-t", tag, str(ctx)],
-            check=True, env=dict(os.environ, DOCKER_BUILDKIT="1"), stdout=subprocess.DEVNULL,
+            check=True,
+            env=dict(os.environ, DOCKER_BUILDKIT="1"),
+            stdout=subprocess.DEVNULL,
         )
         tags.append(tag)
         return tag
@@ -44,7 +46,8 @@ def build(tmp_path_factory):
 def check(tag: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [REPO_ROOT / "scripts/check-image-secrets", "--docker", DOCKER, "--ca", str(CA), tag],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
 
 

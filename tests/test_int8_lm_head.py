@@ -16,12 +16,11 @@ import contextlib
 
 import pytest
 import torch
+from vllm.model_executor.layers import utils  # the venv's vLLM: the default line, patched (0030 is not on the proof's)
 
 from mmcpu import cpu, launch
 from mmcpu.config import Settings
 from mmcpu.defaults import Resolved
-
-from vllm.model_executor.layers import utils  # the venv's vLLM: the default line, patched (0030 is not on the proof's)
 
 AMX = cpu.current().isa == "amx"
 # Without AMX (or in float32) the projection runs on oneDNN's int8 GEMM, as the checkpoint's other int8 linears do
@@ -47,8 +46,9 @@ class Head(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
 
-def dispatched(weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch, flag: str = "1",
-               dtype: torch.dtype = torch.bfloat16) -> tuple[Head, bool]:
+def dispatched(
+    weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch, flag: str = "1", dtype: torch.dtype = torch.bfloat16
+) -> tuple[Head, bool]:
     monkeypatch.setenv("MMCPU_INT8_LM_HEAD", flag)
     head = Head(weight)
     with default_dtype(dtype):
@@ -94,8 +94,9 @@ def weights(vocab: int, hidden: int, dtype: torch.dtype, g: torch.Generator) -> 
 
 @pytest.mark.parametrize(("vocab", "hidden"), [(51864, 384), (1003, 512)])  # tiny.en's; a vocabulary not of 16s
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # on AMX: the SGL kernel, then oneDNN
-def test_matches_the_float_projection_within_int8_rounding(vocab: int, hidden: int, dtype: torch.dtype,
-                                                           monkeypatch: pytest.MonkeyPatch):
+def test_matches_the_float_projection_within_int8_rounding(
+    vocab: int, hidden: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+):
     """On every CPU: in int8 where this CPU has the kernel for it, else the float fallback, against float32."""
     g = torch.Generator().manual_seed(vocab)
     w = weights(vocab, hidden, dtype, g)
@@ -154,13 +155,24 @@ def test_off_without_amx_or_vnni(monkeypatch: pytest.MonkeyPatch):
         assert not took and not hasattr(head, "cpu_linear")
 
 
-@pytest.mark.parametrize(("quantization", "setting", "kind", "expected"),
-                         [("int8", True, "audio", "1"), ("none", True, "audio", "0"), ("int8", False, "audio", "0"),
-                          ("int8", True, "vision", "0")])
-def test_launcher_asks_for_it_for_an_int8_whisper_checkpoint_only(quantization: str, setting: bool, kind: str,
-                                                                  expected: str):
+@pytest.mark.parametrize(
+    ("quantization", "setting", "kind", "expected"),
+    [
+        ("int8", True, "audio", "1"),
+        ("none", True, "audio", "0"),
+        ("int8", False, "audio", "0"),
+        ("int8", True, "vision", "0"),
+    ],
+)
+def test_launcher_asks_for_it_for_an_int8_whisper_checkpoint_only(
+    quantization: str, setting: bool, kind: str, expected: str
+):
     spec = launch.EngineSpec("audio", "/models/whisper-tiny.en", 8001, kind=kind)
-    chosen = Resolved(model="/models/whisper-tiny.en-int8" if quantization == "int8" else "/models/whisper-tiny.en",
-                      dtype="bfloat16", quantization=quantization, why="test")
+    chosen = Resolved(
+        model="/models/whisper-tiny.en-int8" if quantization == "int8" else "/models/whisper-tiny.en",
+        dtype="bfloat16",
+        quantization=quantization,
+        why="test",
+    )
     proc = spec.process(Settings(int8_lm_head=setting), chosen, base={"MMCPU_INT8_LM_HEAD": "1"})
     assert proc.env["MMCPU_INT8_LM_HEAD"] == expected

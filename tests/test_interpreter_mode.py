@@ -37,15 +37,27 @@ SAMPLING = {
     "structured_choice": {"extra_body": {"structured_outputs": {"choice": ["cat", "dog", "bird"]}}},
 }
 # Each a sampling feature's kernel; none may have run natively.
-FEATURE_KERNELS = {"_gumbel_sample_kernel", "_temperature_kernel", "_topk_topp_kernel", "_min_p_kernel",
-                   "_penalties_kernel", "_bias_kernel", "_bad_words_kernel", "_topk_log_softmax_kernel",
-                   "_apply_grammar_bitmask_kernel"}
+FEATURE_KERNELS = {
+    "_gumbel_sample_kernel",
+    "_temperature_kernel",
+    "_topk_topp_kernel",
+    "_min_p_kernel",
+    "_penalties_kernel",
+    "_bias_kernel",
+    "_bad_words_kernel",
+    "_topk_log_softmax_kernel",
+    "_apply_grammar_bitmask_kernel",
+}
 
 
 @pytest.fixture(scope="module")
 def interpreter_engine(llava_model, patched_vllm, logs_dir):
-    engine = Engine(model=llava_model, log_path=logs_dir / "tiny-llava-mrv2-interpreter.log",
-                    vllm_args=VISION_LIMIT_ARGS, env={"MMCPU_KERNELS": "interpreter", "MMCPU_DTYPE": "float32"}).start()
+    engine = Engine(
+        model=llava_model,
+        log_path=logs_dir / "tiny-llava-mrv2-interpreter.log",
+        vllm_args=VISION_LIMIT_ARGS,
+        env={"MMCPU_KERNELS": "interpreter", "MMCPU_DTYPE": "float32"},
+    ).start()
     try:
         yield engine
     finally:
@@ -56,8 +68,12 @@ def test_bfloat16_is_refused_at_start(llava_model, patched_vllm, logs_dir):
     """Before the module's engine starts (one engine at a time): the worker refuses, the engine never serves."""
     from mmcpu.kernels import INTERPRETER_BF16
 
-    engine = Engine(model=llava_model, log_path=logs_dir / "tiny-llava-mrv2-interpreter-bf16.log",
-                    vllm_args=VISION_LIMIT_ARGS, env={"MMCPU_KERNELS": "interpreter", "MMCPU_DTYPE": "bfloat16"})
+    engine = Engine(
+        model=llava_model,
+        log_path=logs_dir / "tiny-llava-mrv2-interpreter-bf16.log",
+        vllm_args=VISION_LIMIT_ARGS,
+        env={"MMCPU_KERNELS": "interpreter", "MMCPU_DTYPE": "bfloat16"},
+    )
     with pytest.raises(RuntimeError, match="exited with"):
         engine.start(timeout_s=600)
     assert INTERPRETER_BF16 in engine.log()
@@ -97,8 +113,12 @@ SEEDED = {
     "temperature": {"temperature": 0.7, "seed": 11},
     "top_p": {"top_p": 0.9, "seed": 12},
     "top_k-min_p": {"extra_body": {"top_k": 20, "min_p": 0.05}, "seed": 13},
-    "penalties": {"presence_penalty": 1.5, "frequency_penalty": 1.0, "extra_body": {"repetition_penalty": 1.3},
-                  "seed": 14},
+    "penalties": {
+        "presence_penalty": 1.5,
+        "frequency_penalty": 1.0,
+        "extra_body": {"repetition_penalty": 1.3},
+        "seed": 14,
+    },
     "logit_bias": {"logit_bias": {"5": -100, "7": 20}, "seed": 15},
     "n_2": {"n": 2, "seed": 7},
     "bad_words": {"extra_body": {"bad_words": ["the", "a"]}, "seed": 16},
@@ -109,9 +129,16 @@ SEEDED = {
 def test_seeded_sampling_matches_the_native_kernels(interpreter_engine, llava_model, logs_dir, request):
     # The session's vision engine is native; where this CPU serves it in float32 it is the reference itself.
     shared = served_dtype(llava_model) == "float32"
-    native = request.getfixturevalue("llava_engine") if shared else Engine(
-        model=llava_model, log_path=logs_dir / "tiny-llava-mrv2-native-f32.log", vllm_args=VISION_LIMIT_ARGS,
-        env={"MMCPU_KERNELS": "native", "MMCPU_DTYPE": "float32"}).start()
+    native = (
+        request.getfixturevalue("llava_engine")
+        if shared
+        else Engine(
+            model=llava_model,
+            log_path=logs_dir / "tiny-llava-mrv2-native-f32.log",
+            vllm_args=VISION_LIMIT_ARGS,
+            env={"MMCPU_KERNELS": "native", "MMCPU_DTYPE": "float32"},
+        ).start()
+    )
     try:
         for name, sampling in SEEDED.items():
             want = [(c.message.content, c.finish_reason) for c in chat(interpreter_engine, **sampling).choices]

@@ -15,8 +15,10 @@ from mmcpu.config import Settings, get_settings
 from mmcpu.kernels import check
 
 CXX = {"CXX": "/bin/sh"}  # any existing program stands in for a compiler: only the kernel rules are under test
-PROBLEMS = ["vllm.v1.worker.gpu.sample.gumbel:_gumbel_sample_kernel: kernel source changed (...)",
-            "vllm.v1.worker.gpu.sample.min_p:_min_p_kernel: no native implementation"]
+PROBLEMS = [
+    "vllm.v1.worker.gpu.sample.gumbel:_gumbel_sample_kernel: kernel source changed (...)",
+    "vllm.v1.worker.gpu.sample.min_p:_min_p_kernel: no native implementation",
+]
 
 
 @pytest.fixture
@@ -35,8 +37,11 @@ def test_stale_kernels_refuse_the_start_in_one_line(checked):
     assert "(+1 more: python -m mmcpu.kernels check)" in reason and "MMCPU_KERNELS=interpreter" in reason
 
 
-@pytest.mark.parametrize("settings", [Settings(kernels="interpreter"), Settings(runner="v1"),
-                                      Settings(triton_interpret=False)], ids=["interpreter", "v1", "no-interpreter"])
+@pytest.mark.parametrize(
+    "settings",
+    [Settings(kernels="interpreter"), Settings(runner="v1"), Settings(triton_interpret=False)],
+    ids=["interpreter", "v1", "no-interpreter"],
+)
 def test_no_kernel_check_when_nothing_native_is_asked_for(checked, settings):
     assert launch.preflight(settings, CXX) is None and checked == []
 
@@ -58,9 +63,11 @@ def test_serve_and_entrypoint_exit_2_before_starting_anything(checked, monkeypat
     try:
         assert launch.main(["--model", "/models/m"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"[mmcpu] refusing to start: MRV2 kernel without a native version for this vLLM: "
-                       f"{PROBLEMS[0]} (+1 more: python -m mmcpu.kernels check); MMCPU_KERNELS=interpreter runs "
-                       "vLLM's own kernels in Triton's interpreter instead (10-100x slower)"]
+        assert err == [
+            f"[mmcpu] refusing to start: MRV2 kernel without a native version for this vLLM: "
+            f"{PROBLEMS[0]} (+1 more: python -m mmcpu.kernels check); MMCPU_KERNELS=interpreter runs "
+            "vLLM's own kernels in Triton's interpreter instead (10-100x slower)"
+        ]
         assert launch.entrypoint(["audio"]) == 2
         assert "audio: refusing to start: MRV2 kernel without" in capsys.readouterr().err
         monkeypatch.setenv("MMCPU_KERNELS", "interpreter")

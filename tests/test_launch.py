@@ -8,7 +8,6 @@ must exit 0 after the child drained; a child that ignores SIGTERM must not outli
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -74,10 +73,12 @@ def test_unrequested_crash_keeps_its_code():
 
 def test_requested_stop_waits_for_the_child_and_exits_0(tmp_path):
     ready = tmp_path / "child-ready"
-    child = ("import signal, sys, time\n"
-             "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), print('drained', flush=True), sys.exit(0)))\n"
-             f"open({str(ready)!r}, 'w').close()\n"
-             "time.sleep(60)")
+    child = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), print('drained', flush=True), sys.exit(0)))\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "time.sleep(60)"
+    )
     proc = supervisor(child, drain_s=30)
     wait_until_ready(proc, ready)  # a SIGTERM before the handlers are in would kill instead of stopping
     t0 = time.monotonic()
@@ -90,8 +91,10 @@ def test_requested_stop_waits_for_the_child_and_exits_0(tmp_path):
 
 def test_child_ignoring_sigterm_is_killed_after_its_grace(tmp_path):
     ready = tmp_path / "child-ready"
-    child = (f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({str(ready)!r}, 'w').close(); "
-             "time.sleep(120)")
+    child = (
+        f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({str(ready)!r}, 'w').close(); "
+        "time.sleep(120)"
+    )
     proc = supervisor(child, drain_s=0, grace_s=2)
     wait_until_ready(proc, ready)
     t0 = time.monotonic()
@@ -131,16 +134,25 @@ def test_entrypoint_writes_the_role_for_the_healthcheck(tmp_path, monkeypatch):
 # --- CPU placement: threads from the CPUs given -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cpus, expected", [
-    (Cpus((0, 1)), {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"}),          # compose, 2-CPU host
-    (Cpus((0, 1), 2.0), {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"}),     # cpus: 2 on 2 CPUs
-    (Cpus((4, 5, 6), 3.0), {"VLLM_CPU_OMP_THREADS_BIND": "4,5,6", "OMP_NUM_THREADS": "3"}),  # a cpuset of its own
-    (Cpus(tuple(range(64)), 2.0), {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2"}),  # k8s, shared node
-    (Cpus(tuple(range(64)), 2.5), {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2"}),  # quota rounds down
-    (Cpus(tuple(range(64)), 0.5), {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}),  # at least one
-    (Cpus(tuple(range(8))), {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3,4,5,6", "OMP_NUM_THREADS": "7"}),  # 1 reserved
-    (Cpus(tuple(range(16))), {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, range(14))), "OMP_NUM_THREADS": "14"}),
-])
+@pytest.mark.parametrize(
+    "cpus, expected",
+    [
+        (Cpus((0, 1)), {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"}),  # compose, 2-CPU host
+        (Cpus((0, 1), 2.0), {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"}),  # cpus: 2 on 2 CPUs
+        (Cpus((4, 5, 6), 3.0), {"VLLM_CPU_OMP_THREADS_BIND": "4,5,6", "OMP_NUM_THREADS": "3"}),  # a cpuset of its own
+        (
+            Cpus(tuple(range(64)), 2.0),
+            {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2"},
+        ),  # k8s, shared node
+        (
+            Cpus(tuple(range(64)), 2.5),
+            {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2"},
+        ),  # quota rounds down
+        (Cpus(tuple(range(64)), 0.5), {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}),  # at least one
+        (Cpus(tuple(range(8))), {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3,4,5,6", "OMP_NUM_THREADS": "7"}),  # 1 reserved
+        (Cpus(tuple(range(16))), {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, range(14))), "OMP_NUM_THREADS": "14"}),
+    ],
+)
 def test_threads_follow_the_cpus_given(cpus, expected):
     assert launch.placement(Settings(), cpus) == expected
 
@@ -154,13 +166,20 @@ def test_reserved_cpus_and_explicit_binds():
 
 def test_all_role_splits_from_four_cpus_and_shares_below():
     def binds(cpus):
-        return [env["VLLM_CPU_OMP_THREADS_BIND"] for name, _, env in launch.role_commands("all", Settings(), cpus=cpus)
-                if name != "gateway"]
+        return [
+            env["VLLM_CPU_OMP_THREADS_BIND"]
+            for name, _, env in launch.role_commands("all", Settings(), cpus=cpus)
+            if name != "gateway"
+        ]
+
     assert binds(Cpus((0, 1))) == ["0,1", "0,1"]  # one core each would leave one idle whenever one engine is
     assert binds(Cpus((0, 1, 2, 3))) == ["0,1", "2,3"]
     assert binds(Cpus(tuple(range(64)), 8.0)) == ["nobind", "nobind"]
-    threads = [env["OMP_NUM_THREADS"] for n, _, env in launch.role_commands("all", Settings(), cpus=Cpus(
-        tuple(range(64)), 8.0)) if n != "gateway"]
+    threads = [
+        env["OMP_NUM_THREADS"]
+        for n, _, env in launch.role_commands("all", Settings(), cpus=Cpus(tuple(range(64)), 8.0))
+        if n != "gateway"
+    ]
     assert threads == ["4", "4"]  # a quota over a shared node: halved as well
     # The single-engine roles keep every CPU.
     [(_, _, env)] = launch.role_commands("audio", Settings(), cpus=Cpus((0, 1, 2, 3)))
@@ -182,10 +201,13 @@ def test_engine_gets_kv_cache_bytes_and_the_uniproc_executor():
 NO_CXX = {"CXX": "/nonexistent/c++"}
 
 
-@pytest.mark.parametrize("settings, needle", [
-    (Settings(runner="v1"), "MMCPU_RUNNER=v1 needs a C++ compiler"),
-    (Settings(compile=True), "MMCPU_COMPILE=1 needs a C++ compiler"),
-])
+@pytest.mark.parametrize(
+    "settings, needle",
+    [
+        (Settings(runner="v1"), "MMCPU_RUNNER=v1 needs a C++ compiler"),
+        (Settings(compile=True), "MMCPU_COMPILE=1 needs a C++ compiler"),
+    ],
+)
 def test_compiler_needing_settings_are_refused_without_one(settings, needle):
     reason = launch.preflight(settings, NO_CXX)
     assert reason and needle in reason and "\n" not in reason
@@ -195,6 +217,7 @@ def test_compiler_needing_settings_are_refused_without_one(settings, needle):
 
 def test_serve_and_entrypoint_refuse_before_starting_anything(monkeypatch, capsys, tmp_path):
     from mmcpu.config import get_settings
+
     started = []
     monkeypatch.setattr(launch, "run", lambda *a, **k: started.append(a) or 0)
     monkeypatch.setattr(launch, "ROLE_FILE", tmp_path / "role")
@@ -218,6 +241,7 @@ def test_engines_compute_in_the_per_cpu_dtype_unless_told_otherwise():
 
     def dtype(argv):  # vLLM's argparse: the last occurrence wins
         return argv[len(argv) - 1 - argv[::-1].index("--dtype") + 1]
+
     _, row = defaults.row()
     [(_, audio, _)] = launch.role_commands("audio", Settings(), cpus=Cpus((0, 1)))
     [(_, vision, _)] = launch.role_commands("vision", Settings(), cpus=Cpus((0, 1)))
@@ -248,7 +272,11 @@ def test_engine_spec_makes_argv_and_env(tmp_path):
     argv, env = spec.argv(settings, chosen), spec.env(settings, base={"KEEP": "1"})
     assert option(argv, "--model") == str(model) + "-int8"
     assert option(argv, "--served-model-name") == "my-whisper"  # the name clients know, whatever is loaded
-    assert (option(argv, "--port"), option(argv, "--dtype"), option(argv, "--shutdown-timeout")) == ("8011", "bfloat16", "30")
+    assert (option(argv, "--port"), option(argv, "--dtype"), option(argv, "--shutdown-timeout")) == (
+        "8011",
+        "bfloat16",
+        "30",
+    )
     assert argv[-2:] == ["--max-num-seqs", "3"]
     assert env["KEEP"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3" and env["OMP_NUM_THREADS"] == "2"
     assert env["MMCPU_KERNEL_STATS"] == str(health.kernel_stats_path(settings, 8011))
@@ -268,8 +296,10 @@ def test_gateway_runs_as_its_module():
     assert [(p.name, p.argv[1:], p.env) for p in gateway] == [("gateway", ["-m", "mmcpu.gateway"], {"A": "b"})]
 
 
-EXTRA = '{"ocr": {"model": "/models/tiny-qwen2-vl", "port": 8003, "args": "--max-num-seqs 2"}, ' \
-        '"asr": {"model": "/models/speech", "port": 8004, "kind": "audio"}}'
+EXTRA = (
+    '{"ocr": {"model": "/models/tiny-qwen2-vl", "port": 8003, "args": "--max-num-seqs 2"}, '
+    '"asr": {"model": "/models/speech", "port": 8004, "kind": "audio"}}'
+)
 
 
 def test_settings_describe_any_number_of_engines(monkeypatch):
@@ -278,7 +308,11 @@ def test_settings_describe_any_number_of_engines(monkeypatch):
     assert list(settings.roles) == ["audio", "vision", "ocr", "asr"]  # audio and vision stay the defaults
     assert health.roles(settings) == ("audio", "vision", "ocr", "asr", "gateway", "all")
     assert [(t.name, t.port, t.kind) for t in health.role_targets(settings)] == [
-        ("audio", 8001, "audio"), ("vision", 8002, "vision"), ("ocr", 8003, "vision"), ("asr", 8004, "audio")]
+        ("audio", 8001, "audio"),
+        ("vision", 8002, "vision"),
+        ("ocr", 8003, "vision"),
+        ("asr", 8004, "audio"),
+    ]
     [ocr] = launch.role_commands("ocr", settings, cpus=Cpus((0, 1)))
     assert ocr.name == "ocr" and option(ocr.argv, "--port") == "8003" and ocr.argv[-2:] == ["--max-num-seqs", "2"]
     # `all` runs every engine and the gateway; from 2 CPUs per engine each gets cores of its own.
@@ -290,13 +324,16 @@ def test_settings_describe_any_number_of_engines(monkeypatch):
     assert Settings().roles["vision"].port == 9002
 
 
-@pytest.mark.parametrize("roles, needle", [
-    ('{"all": {"model": "m", "port": 1}}', "other than gateway / all"),
-    ('{"audio": {"model": "m", "port": 1}}', "MMCPU_AUDIO_MODEL"),
-    ('{"Bad Name": {"model": "m", "port": 1}}', "lower-case name"),
-    ('{"ocr": {"model": "m"}}', "port"),
-    ('{"ocr": {"model": "m", "port": 1, "kind": "video"}}', "kind"),
-])
+@pytest.mark.parametrize(
+    "roles, needle",
+    [
+        ('{"all": {"model": "m", "port": 1}}', "other than gateway / all"),
+        ('{"audio": {"model": "m", "port": 1}}', "MMCPU_AUDIO_MODEL"),
+        ('{"Bad Name": {"model": "m", "port": 1}}', "lower-case name"),
+        ('{"ocr": {"model": "m"}}', "port"),
+        ('{"ocr": {"model": "m", "port": 1, "kind": "video"}}', "kind"),
+    ],
+)
 def test_engine_roles_that_cannot_work_are_refused(monkeypatch, roles, needle):
     from pydantic import ValidationError
 
@@ -309,8 +346,13 @@ def test_entrypoint_runs_a_role_of_the_settings(monkeypatch, tmp_path):
     from mmcpu.config import get_settings
 
     seen = {}
-    monkeypatch.setattr(launch, "run", lambda children, role, settings, specs: seen.update(
-        role=role, children=[c.name for c in children], targets=[s.target for s in specs]) or 0)
+    monkeypatch.setattr(
+        launch,
+        "run",
+        lambda children, role, settings, specs: (
+            seen.update(role=role, children=[c.name for c in children], targets=[s.target for s in specs]) or 0
+        ),
+    )
     monkeypatch.setattr(launch, "ROLE_FILE", tmp_path / "role")
     monkeypatch.setattr(launch, "preflight", lambda settings: None)
     monkeypatch.setenv("MMCPU_ENGINE_ROLES", EXTRA)
@@ -335,9 +377,10 @@ def test_media_settings_reach_every_engine():
     vision = launch.engine_argv("/models/tiny-llava", settings, port=8002, kind="vision")
     at = vision.index("--limit-mm-per-prompt")
     assert json.loads(vision[at + 1]) == {"image": 2} and vision.count("--limit-mm-per-prompt") == 1
-    assert vision[vision.index("--allowed-media-domains") + 1:][:2] == ["img.example.com", "cdn.example.org"]
-    own = launch.engine_argv("/models/tiny-llava", settings, port=8002, kind="vision",
-                             extra=["--limit-mm-per-prompt", '{"image":1}'])
+    assert vision[vision.index("--allowed-media-domains") + 1 :][:2] == ["img.example.com", "cdn.example.org"]
+    own = launch.engine_argv(
+        "/models/tiny-llava", settings, port=8002, kind="vision", extra=["--limit-mm-per-prompt", '{"image":1}']
+    )
     assert own.count("--limit-mm-per-prompt") == 1 and own[-1] == '{"image":1}'
     audio = launch.engine_argv("/models/whisper-tiny.en", Settings(), port=8001, kind="audio")
     assert "--limit-mm-per-prompt" not in audio and "--allowed-media-domains" not in audio

@@ -6,9 +6,19 @@ from __future__ import annotations
 import subprocess
 import sys
 
-RUNTIME_MODULES = ["mmcpu.launch", "mmcpu.gateway.app", "mmcpu.healthcheck", "mmcpu.patchtool", "mmcpu.proc",
-                   "mmcpu.kernels.dispatch", "mmcpu.kernels.check", "mmcpu.plugin", "mmcpu.cpu", "mmcpu.quantize",
-                   "mmcpu.config"]
+RUNTIME_MODULES = [
+    "mmcpu.launch",
+    "mmcpu.gateway.app",
+    "mmcpu.healthcheck",
+    "mmcpu.patchtool",
+    "mmcpu.proc",
+    "mmcpu.kernels.dispatch",
+    "mmcpu.kernels.check",
+    "mmcpu.plugin",
+    "mmcpu.cpu",
+    "mmcpu.quantize",
+    "mmcpu.config",
+]
 
 BLOCK_DEV = """
 import importlib.abc, sys
@@ -36,15 +46,20 @@ def test_the_blocker_would_catch_a_dev_import():
 
 def test_the_wheel_holds_the_runtime_package_only(tmp_path):
     """What `pip install .` puts in the image: mmcpu and its data, no mmcpu_dev."""
-    from mmcpu.config import REPO_ROOT
-
     import shutil
 
+    from mmcpu.config import REPO_ROOT
+
     src, out = tmp_path / "src", tmp_path / "wheel"  # built from a copy: setuptools writes build/ beside the sources
-    shutil.copytree(REPO_ROOT, src, ignore=shutil.ignore_patterns(".cache", ".git", "build", "*.egg-info",
-                                                                  "__pycache__", "*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(src)], check=True, capture_output=True, timeout=300)
+    shutil.copytree(
+        REPO_ROOT, src, ignore=shutil.ignore_patterns(".cache", ".git", "build", "*.egg-info", "__pycache__", "*.whl")
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     import zipfile
 
     [wheel] = out.glob("mmcpu-*.whl")

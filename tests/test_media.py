@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-
 import vllm.multimodal.media.connector as vllm_connector
 from vllm.exceptions import VLLMValidationError
 from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY
@@ -32,13 +31,41 @@ add_media_connector(vllm_connector)
 LIMIT = 16 * 2**20  # pixels, for the header checks
 
 
-@pytest.mark.parametrize("address", [
-    "127.0.0.1", "127.255.0.9", "0.0.0.0", "10.0.0.1", "172.16.5.4", "192.168.1.1", "100.64.0.1", "169.254.169.254",
-    "192.0.0.1", "192.0.2.1", "198.18.0.1", "224.0.0.1", "239.255.255.250", "240.0.0.1", "255.255.255.255",
-    "::", "::1", "fe80::1", "fc00::1", "fd00:ec2::254", "ff02::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1",
-    "::ffff:169.254.169.254", "::127.0.0.1", "64:ff9b::7f00:1", "64:ff9b:1::a00:1", "2002:7f00:1::", "2001::1",
-    "2001:db8::1",
-])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "127.255.0.9",
+        "0.0.0.0",
+        "10.0.0.1",
+        "172.16.5.4",
+        "192.168.1.1",
+        "100.64.0.1",
+        "169.254.169.254",
+        "192.0.0.1",
+        "192.0.2.1",
+        "198.18.0.1",
+        "224.0.0.1",
+        "239.255.255.250",
+        "240.0.0.1",
+        "255.255.255.255",
+        "::",
+        "::1",
+        "fe80::1",
+        "fc00::1",
+        "fd00:ec2::254",
+        "ff02::1",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+        "::ffff:169.254.169.254",
+        "::127.0.0.1",
+        "64:ff9b::7f00:1",
+        "64:ff9b:1::a00:1",
+        "2002:7f00:1::",
+        "2001::1",
+        "2001:db8::1",
+    ],
+)
 def test_not_public(address):
     """Loopback, private, CGNAT, link-local/metadata, documentation, multicast, reserved, and the IPv6 forms that
     carry an IPv4 address (some of which Python 3.11 calls global)."""
@@ -77,6 +104,7 @@ def test_policy_urls():
 def test_resolver_refuses_numeric_forms_and_localhost():
     """Names that are not IP literals but resolve to loopback (decimal, octal, hex, short forms, localhost): the
     resolver sees the address the system's getaddrinfo makes of them, and refuses it."""
+
     async def resolve(host):
         resolver = policy.PublicResolver()
         try:
@@ -178,17 +206,29 @@ def _load(conn, url: str, *, async_: bool = True):
 
 
 def test_registered_and_built_like_vllm():
-    conn = MEDIA_CONNECTOR_REGISTRY.load(connector.NAME, media_io_kwargs=None, allowed_local_media_path="",
-                                         allowed_media_domains=["localhost"])
+    conn = MEDIA_CONNECTOR_REGISTRY.load(
+        connector.NAME, media_io_kwargs=None, allowed_local_media_path="", allowed_media_domains=["localhost"]
+    )
     assert isinstance(conn, connector.PolicyMediaConnector)
     image = _load(conn, payloads.image_data_url(payloads.test_image(3)))
     assert image.size == (96, 96)
 
 
 def _listed_hosts(port: int) -> list[str]:
-    return [f"http://{host}:{port}/v1/models" for host in
-            ("localhost", "127.0.0.1", "2130706433", "0177.0.0.1", "0x7f.1", "127.1", "[::ffff:127.0.0.1]",
-             "[::1]", "0.0.0.0")]
+    return [
+        f"http://{host}:{port}/v1/models"
+        for host in (
+            "localhost",
+            "127.0.0.1",
+            "2130706433",
+            "0177.0.0.1",
+            "0x7f.1",
+            "127.1",
+            "[::ffff:127.0.0.1]",
+            "[::1]",
+            "0.0.0.0",
+        )
+    ]
 
 
 @pytest.mark.parametrize("async_", [True, False], ids=["async", "sync"])
@@ -196,12 +236,24 @@ def test_internal_urls_refused_without_connecting(listening, async_):
     """Every spelling of loopback, each LISTED in the allowlist: the same 400 and fixed text for the open port and
     a closed one, and the open one never sees a connection."""
     open_port, shut_port = listening.server_address[1], closed_port()
-    domains = ["localhost", "127.0.0.1", "2130706433", "0177.0.0.1", "0x7f.1", "127.1", "::ffff:127.0.0.1", "::1",
-               "0.0.0.0"]
+    domains = [
+        "localhost",
+        "127.0.0.1",
+        "2130706433",
+        "0177.0.0.1",
+        "0x7f.1",
+        "127.1",
+        "::ffff:127.0.0.1",
+        "::1",
+        "0.0.0.0",
+    ]
     conn = MEDIA_CONNECTOR_REGISTRY.load(connector.NAME, allowed_media_domains=domains)
     answers = set()
-    for url in _listed_hosts(open_port) + _listed_hosts(shut_port) + ["http://unlisted.example/x.png",
-                                                                        "file:///etc/passwd", "ftp://x/y"]:
+    for url in (
+        _listed_hosts(open_port)
+        + _listed_hosts(shut_port)
+        + ["http://unlisted.example/x.png", "file:///etc/passwd", "ftp://x/y"]
+    ):
         with pytest.raises(VLLMValidationError) as info:
             _load(conn, url, async_=async_)
         answers.add((str(info.value), info.value.parameter))

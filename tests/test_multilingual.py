@@ -25,14 +25,14 @@ from openai.types.audio import (
 )
 from pydantic import TypeAdapter
 
+# The catalogue tests, collected here as well: against this module's whisper_engine.
+from test_hard_inputs import test_audio_hard_input  # noqa: F401
+from test_sampling import test_transcription_seed_reproduces, test_transcription_with_sampling  # noqa: F401
+
 from mmcpu_dev import speech
 from mmcpu_dev.checks import subtitle_text
 from mmcpu_dev.payloads import audio_form, transcription_kwargs
 from mmcpu_dev.servers import MRV2_LOG_LINE, Engine
-
-# The catalogue tests, collected here as well: against this module's whisper_engine.
-from test_hard_inputs import test_audio_hard_input  # noqa: F401, E402
-from test_sampling import test_transcription_seed_reproduces, test_transcription_with_sampling  # noqa: F401, E402
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +66,12 @@ def passages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     """Each language's passage as a 16 kHz WAV, with its text."""
     out = tmp_path_factory.mktemp("multilingual")
     return {
-        lang: (speech.synthesize(text, out / f"{lang}.wav", speed=speech.PASSAGE_SPEED,
-                                 voice=speech.PASSAGE_VOICE.format(lang=lang)), text)
+        lang: (
+            speech.synthesize(
+                text, out / f"{lang}.wav", speed=speech.PASSAGE_SPEED, voice=speech.PASSAGE_VOICE.format(lang=lang)
+            ),
+            text,
+        )
         for lang, text in speech.PASSAGES.items()
     }
 
@@ -158,7 +162,7 @@ def test_segments_fit_the_clip_and_subtitles_carry_the_same_times(ask, passages,
     times = [(s.start, s.end) for s in body.segments]
     print(f"\n{lang}: {length:.2f} s, segments {times}")
     assert times and times[0][0] == 0.0, body
-    for (start, end), (next_start, _) in zip(times, [*times[1:], (length, None)]):
+    for (start, end), (next_start, _) in zip(times, [*times[1:], (length, None)], strict=False):
         assert 0 <= start < end <= next_start + 1e-6, times  # in order, not overlapping
     assert times[-1][1] <= length + 0.02, times  # within the clip (one timestamp token: 20 ms)
     assert times[-1][1] >= 0.6 * length, times  # espeak-ng speaks up to the end of the clip
@@ -186,8 +190,9 @@ def test_streaming_translation(ask, base_engine, passages, lang):
     argument: raw multipart, each event read as the client's own type); the text is the one-shot translation."""
     clip, _ = passages[lang]
     data, files = audio_form(client_kwargs(clip, base_engine, stream=True))
-    with httpx.stream("POST", f"{base_engine.base_url}/v1/audio/translations", data=data, files=files,
-                      timeout=300) as response:
+    with httpx.stream(
+        "POST", f"{base_engine.base_url}/v1/audio/translations", data=data, files=files, timeout=300
+    ) as response:
         assert response.status_code == 200, response.read()
         payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     assert payloads[-1] == "[DONE]", payloads[-3:]

@@ -7,8 +7,8 @@ import re
 import shutil
 
 from mmcpu.config import REPO_ROOT
-from mmcpu_dev import patches_doc
 from mmcpu.patchtool import parse_patch
+from mmcpu_dev import patches_doc
 
 PATCHES = REPO_ROOT / "patches"
 
@@ -49,7 +49,8 @@ def test_a_new_patch_gets_its_row_and_makes_the_table_stale(tmp_path, capsys):
     assert patches_doc.main(["--check", "--doc", str(doc), "--patches", str(patches)]) == 0
     (patches / "9999-example.patch").write_text(
         "Subject: an example\nGroup: mmcpu\nUpstream: none - an example.\n\n"
-        "--- a/vllm/x.py\n+++ b/vllm/x.py\n@@ -1 +1 @@\n-a\n+b\n")
+        "--- a/vllm/x.py\n+++ b/vllm/x.py\n@@ -1 +1 @@\n-a\n+b\n"
+    )
     with open(patches / "series-0.32.0", "a") as f:
         f.write("# Ours: an example (Group: mmcpu):\n9999-example.patch\n")
     assert patches_doc.main(["--check", "--doc", str(doc), "--patches", str(patches)]) == 1
@@ -63,7 +64,8 @@ def test_a_patch_in_no_series_still_shows(tmp_path):
     patches = tmp_path / "patches"
     shutil.copytree(PATCHES, patches)
     (patches / "9998-forgotten.patch").write_text(
-        "Subject: forgotten\nGroup: mmcpu\nUpstream: none\n\n--- a/vllm/x.py\n+++ b/vllm/x.py\n@@ -1 +1 @@\n-a\n+b\n")
+        "Subject: forgotten\nGroup: mmcpu\nUpstream: none\n\n--- a/vllm/x.py\n+++ b/vllm/x.py\n@@ -1 +1 @@\n-a\n+b\n"
+    )
     assert "| in no series |" in patches_doc.table(patches)
 
 

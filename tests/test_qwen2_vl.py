@@ -16,11 +16,12 @@ import pytest
 
 transformers = pytest.importorskip("transformers")  # the fixture needs the engine venv (.cache/venv)
 
+from PIL import Image  # noqa: E402
+
 from mmcpu.config import VISION_LIMIT_ARGS, get_settings  # noqa: E402
 from mmcpu_dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
 from mmcpu_dev.fixtures import qwen2_vl  # noqa: E402
 from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, test_engine  # noqa: E402
-from PIL import Image  # noqa: E402
 
 slow = pytest.mark.slow
 
@@ -223,7 +224,7 @@ class _Starting:
     def _run(self) -> None:
         try:
             self.engine.start()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread by ready()
+        except BaseException as exc:
             self.error = exc
 
     def ready(self) -> Engine:
@@ -249,7 +250,9 @@ def v1_starting(qwen_model: Path, patched_vllm: Path, logs_dir: Path):
 def qwen_engine(qwen_model: Path, patched_vllm: Path, logs_dir: Path, v1_starting: _Starting):
     from mmcpu_dev.servers import assert_native_then_stop
 
-    engine = test_engine(qwen_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS)  # the session's small mm cache
+    engine = test_engine(
+        qwen_model, logs_dir, "mrv2-patched", vllm_args=VISION_LIMIT_ARGS
+    )  # the session's small mm cache
     engine.start()
     print(f"\n[qwen2-vl MRV2 ready in {engine.ready_s:.0f}s, RSS {engine.rss_bytes() / 2**30:.1f} GiB]")
     yield engine

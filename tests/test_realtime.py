@@ -11,10 +11,8 @@ import base64
 import contextlib
 import io
 import json
-import threading
 import time
 import wave
-from pathlib import Path
 
 import numpy as np
 import openai
@@ -177,7 +175,7 @@ def random_chunks(audio: np.ndarray, seed: int, most: int = 6000):
     i = 0
     while i < audio.size:
         n = int(rng.integers(1, most))
-        yield audio[i:i + n]
+        yield audio[i : i + n]
         i += n
 
 
@@ -189,15 +187,16 @@ def test_streaming_vad_equals_whole_clip_vad(talk):
         stream = StreamingVad(vad.session())
         probs = np.concatenate([stream.feed(c) for c in random_chunks(audio, seed)])
         assert probs.size == audio.size // vad.FRAME
-        np.testing.assert_array_equal(probs, reference[:probs.size])
+        np.testing.assert_array_equal(probs, reference[: probs.size])
 
 
 def test_resampler_same_samples_for_any_chunking(talk):
     """24 kHz -> 16 kHz: every chunking gives the samples of one resample of the whole stream (soxr's int16 output
     would not: it dithers)."""
     audio, _ = talk
-    a24 = np.clip(np.rint(soxr.resample(audio.astype(np.float32) / 32768, 16000, 24000) * 32768), -32768,
-                  32767).astype(np.int16)
+    a24 = np.clip(np.rint(soxr.resample(audio.astype(np.float32) / 32768, 16000, 24000) * 32768), -32768, 32767).astype(
+        np.int16
+    )
     whole = soxr.resample(a24.astype(np.float32) / 32768, 24000, 16000, quality="HQ")
     whole = np.clip(np.rint(whole * 32768), -32768, 32767).astype(np.int16)
     for seed in range(3):
@@ -252,7 +251,7 @@ def test_server_vad_pause_is_seen_before_the_commit(talk):
     (a0, b0), (a1, b1) = spans[:2]
     assert [type(ev) for ev in buf.append(audio[: b0 + 3200])] == [Started]  # 200 ms into the pause
     assert buf.speech and buf.pausing
-    assert [type(ev) for ev in buf.append(audio[b0 + 3200: a1 + (b1 - a1) // 2])] == [Stopped, Commit, Started]
+    assert [type(ev) for ev in buf.append(audio[b0 + 3200 : a1 + (b1 - a1) // 2])] == [Stopped, Commit, Started]
     assert buf.speech and not buf.pausing
 
 
@@ -261,7 +260,7 @@ def test_server_vad_turn_is_cut_at_the_longest_turn(talk):
     audio, spans = talk
     a, b = spans[1]  # ~4.8 s of speech without a long pause
     buf = InputBuffer(vad.session(), p.SERVER_VAD, 2 * 16000)
-    events = [ev for c in random_chunks(audio[:b + 16000], 5, 3000) for ev in buf.append(c)]
+    events = [ev for c in random_chunks(audio[: b + 16000], 5, 3000) for ev in buf.append(c)]
     full = [ev for ev in events if isinstance(ev, Commit) and ev.reason == "full"]
     assert len(full) >= 2 and all(c.audio.size == 2 * 16000 for c in full)
     kinds = [type(ev) for ev in events]
@@ -286,23 +285,32 @@ def test_deltas_only_append():
     assert e.words == ["The", "quick", "brown", "fox", "jumps."]
 
 
-@pytest.mark.parametrize(("session", "param"), [
-    ({"type": "realtime"}, "session.type"),
-    ({"type": "transcription", "instructions": "x"}, "session.instructions"),
-    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 8000}}}}, "session.audio.input.format.rate"),
-    ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "session.audio.input.format.type"),
-    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
-    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 2}}}},
-     "session.audio.input.turn_detection.threshold"),
-    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": "x"}}}},
-     "session.audio.input.turn_detection.silence_duration_ms"),
-    ({"audio": {"input": {"transcription": {"model": 5}}}}, "session.audio.input.transcription.model"),
-    ({"audio": {"input": {"transcription": {"model": "m", "delay": "low"}}}},
-     "session.audio.input.transcription.delay"),
-    ({"audio": {"output": {}}}, "session.audio.output"),
-    ({"include": ["other"]}, "session.include"),
-    ("text", "session"),
-])
+@pytest.mark.parametrize(
+    ("session", "param"),
+    [
+        ({"type": "realtime"}, "session.type"),
+        ({"type": "transcription", "instructions": "x"}, "session.instructions"),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 8000}}}}, "session.audio.input.format.rate"),
+        ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "session.audio.input.format.type"),
+        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 2}}}},
+            "session.audio.input.turn_detection.threshold",
+        ),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": "x"}}}},
+            "session.audio.input.turn_detection.silence_duration_ms",
+        ),
+        ({"audio": {"input": {"transcription": {"model": 5}}}}, "session.audio.input.transcription.model"),
+        (
+            {"audio": {"input": {"transcription": {"model": "m", "delay": "low"}}}},
+            "session.audio.input.transcription.delay",
+        ),
+        ({"audio": {"output": {}}}, "session.audio.output"),
+        ({"include": ["other"]}, "session.include"),
+        ("text", "session"),
+    ],
+)
 def test_ga_session_errors_name_the_parameter(session, param):
     with pytest.raises(p.ProtocolError) as info:
         p.apply_ga(p.Config(), session)
@@ -310,22 +318,36 @@ def test_ga_session_errors_name_the_parameter(session, param):
 
 
 def test_session_shapes():
-    ga = p.apply_ga(p.Config(), realtime_session("m", rate=16000, language="en", prompt="hi",
-                                                 turn_detection={"type": "server_vad", "silence_duration_ms": 700}))
+    ga = p.apply_ga(
+        p.Config(),
+        realtime_session(
+            "m",
+            rate=16000,
+            language="en",
+            prompt="hi",
+            turn_detection={"type": "server_vad", "silence_duration_ms": 700},
+        ),
+    )
     assert (ga.model, ga.language, ga.prompt, ga.rate) == ("m", "en", "hi", 16000)
     assert ga.turn_detection == vad.Options(0.5, 300, 700)
     assert p.apply_ga(ga, {"type": "transcription"}) == ga  # absent fields stay
     assert p.apply_ga(ga, {"audio": {"input": {"turn_detection": None}}}).turn_detection is None
     beta = p.apply_beta(p.Config(), realtime_beta_session("m", turn_detection=None))
     assert (beta.model, beta.rate, beta.turn_detection) == ("m", 24000, None)
-    for bad, param in (({"input_audio_format": "g711_ulaw"}, "session.input_audio_format"),
-                       ({"modalities": ["audio"]}, "session.modalities")):
+    for bad, param in (
+        ({"input_audio_format": "g711_ulaw"}, "session.input_audio_format"),
+        ({"modalities": ["audio"]}, "session.modalities"),
+    ):
         with pytest.raises(p.ProtocolError) as info:
             p.apply_beta(p.Config(), bad)
         assert info.value.param == param
     shown = p.session_object("s", ga, beta=False)
-    assert shown["audio"]["input"]["turn_detection"] == {"type": "server_vad", "threshold": 0.5,
-                                                         "prefix_padding_ms": 300, "silence_duration_ms": 700}
+    assert shown["audio"]["input"]["turn_detection"] == {
+        "type": "server_vad",
+        "threshold": 0.5,
+        "prefix_padding_ms": 300,
+        "silence_duration_ms": 700,
+    }
 
 
 # --- the wire, through the gateway --------------------------------------------------------------------------------
@@ -338,8 +360,9 @@ def test_ga_sdk_manual_turns(gw, engine):
     with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
         first = conn.recv()
         assert first.type == "session.created" and first.session.type == "transcription"
-        conn.session.update(session=realtime_session(MODEL, rate=24000, language="en", prompt="Hello.",
-                                                     turn_detection=None))
+        conn.session.update(
+            session=realtime_session(MODEL, rate=24000, language="en", prompt="Hello.", turn_detection=None)
+        )
         for seconds in (1.2, 2.0):
             for chunk in np.array_split(tone(seconds, 24000), 7):
                 conn.input_audio_buffer.append(audio=pcm16_base64(chunk))
@@ -358,8 +381,11 @@ def test_ga_sdk_manual_turns(gw, engine):
     completed = [e for e in seen if e.type == "conversation.item.input_audio_transcription.completed"]
     assert [c.item_id for c in completed] == [c.item_id for c in committed]
     for c in completed:  # each item: committed -> added -> (deltas) -> completed -> done, in that order
-        order = [e.type for e in seen if getattr(e, "item_id", None) == c.item_id
-                 or getattr(getattr(e, "item", None), "id", None) == c.item_id]
+        order = [
+            e.type
+            for e in seen
+            if getattr(e, "item_id", None) == c.item_id or getattr(getattr(e, "item", None), "id", None) == c.item_id
+        ]
         assert order[:2] == ["input_audio_buffer.committed", "conversation.item.added"], order
         assert order[-2:] == ["conversation.item.input_audio_transcription.completed", "conversation.item.done"]
         deltas = "".join(e.delta for e in seen if e.type.endswith("transcription.delta") and e.item_id == c.item_id)
@@ -367,16 +393,18 @@ def test_ga_sdk_manual_turns(gw, engine):
     assert [c.transcript for c in completed] == [" w1 w2", " w1 w2 w3 w4"]
     assert [c.usage.seconds for c in completed] == [pytest.approx(1.2, abs=0.01), pytest.approx(2.0, abs=0.01)]
     finals = engine.app.state.requests[before:]
-    assert [f for f, _ in finals] == [{"model": MODEL, "response_format": "json", "language": "en",
-                                      "prompt": "Hello."}] * 2
+    assert [f for f, _ in finals] == [
+        {"model": MODEL, "response_format": "json", "language": "en", "prompt": "Hello."}
+    ] * 2
     # 24 kHz in, 16 kHz to the engine (the resampler holds back a few samples of the stream's end)
     assert [round(n / 16000, 1) for _, n in finals] == [1.2, 2.0]
 
 
 def test_beta_sdk_transcription_session(gw):
     """The SDK's beta client (?model=, OpenAI-Beta: realtime=v1): beta session events and item events."""
-    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0,
-                           websocket_base_url=f"ws://127.0.0.1:{gw.port}/v1")
+    client = openai.OpenAI(
+        base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, websocket_base_url=f"ws://127.0.0.1:{gw.port}/v1"
+    )
     with client.beta.realtime.connect(model=MODEL, extra_query={"intent": "transcription"}) as conn:
         created = conn.recv()
         assert created.type == "transcription_session.created"
@@ -391,8 +419,7 @@ def test_beta_sdk_transcription_session(gw):
             if ev.type == "conversation.item.input_audio_transcription.completed":
                 assert ev.transcript == " w1 w2"
                 break
-    assert kinds[:3] == ["transcription_session.updated", "input_audio_buffer.committed",
-                         "conversation.item.created"]
+    assert kinds[:3] == ["transcription_session.updated", "input_audio_buffer.committed", "conversation.item.created"]
 
 
 def test_bad_events_get_errors_and_the_session_stays(engine):
@@ -408,12 +435,28 @@ def test_bad_events_get_errors_and_the_session_stays(engine):
                 (json.dumps({"type": 7}), "type", "invalid_value"),
                 (json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}), "audio", "invalid_value"),
                 (json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA"}), "audio", "invalid_value"),
-                (json.dumps({"type": "input_audio_buffer.commit", "event_id": "mine"}), None,
-                 "input_audio_buffer_commit_empty"),
-                (json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {
-                    "type": "audio/pcma"}}}}}), "session.audio.input.format.type", "unsupported_value"),
-                (json.dumps({"type": "session.update", "session": {"audio": {"input": {"transcription": {
-                    "model": "no-such-model"}}}}}), "session.audio.input.transcription.model", "model_not_found"),
+                (
+                    json.dumps({"type": "input_audio_buffer.commit", "event_id": "mine"}),
+                    None,
+                    "input_audio_buffer_commit_empty",
+                ),
+                (
+                    json.dumps(
+                        {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcma"}}}}}
+                    ),
+                    "session.audio.input.format.type",
+                    "unsupported_value",
+                ),
+                (
+                    json.dumps(
+                        {
+                            "type": "session.update",
+                            "session": {"audio": {"input": {"transcription": {"model": "no-such-model"}}}},
+                        }
+                    ),
+                    "session.audio.input.transcription.model",
+                    "model_not_found",
+                ),
                 (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 60_000}), None, "event_too_large"),
                 (b"\x00\x01", None, "invalid_event"),
             ]
@@ -449,7 +492,7 @@ def test_manual_commit_during_server_vad(gw, engine, talk):
         send(ws, "input_audio_buffer.commit")
         committed = events_until(ws, "input_audio_buffer.committed")[-1]
         assert committed["item_id"] == started["item_id"]
-        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[mid:b + 16000]))
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[mid : b + 16000]))
         events = events_until(ws, "input_audio_buffer.committed")
         second = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
         assert second and events[-1]["item_id"] == second[0]["item_id"] != started["item_id"]
@@ -463,10 +506,10 @@ def test_deltas_while_the_turn_is_spoken(gw, talk):
     a, b = spans[1]
     with connect(ws_url(gw)) as ws:
         manual(ws)
-        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:a + 32000]))  # 2 s into the speech
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[: a + 32000]))  # 2 s into the speech
         first = events_until(ws, "conversation.item.input_audio_transcription.delta")[-1]
         assert first["delta"].split()[0] == "w1"
-        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[a + 32000:b]))
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[a + 32000 : b]))
         send(ws, "input_audio_buffer.commit")
         events = [first, *events_until(ws, "conversation.item.input_audio_transcription.completed")]
         kinds = [e["type"] for e in events]
@@ -490,8 +533,11 @@ def test_no_model_fails_the_turn_not_the_session(gw):
 
 def test_keys_header_and_browser_subprotocol(engine):
     with gateway(engine.url, api_key="sekrit") as served:
-        for headers, protocols in (({}, None), ({"Authorization": "Bearer wrong"}, None),
-                                   ({}, ["realtime", "openai-insecure-api-key.wrong"])):
+        for headers, protocols in (
+            ({}, None),
+            ({"Authorization": "Bearer wrong"}, None),
+            ({}, ["realtime", "openai-insecure-api-key.wrong"]),
+        ):
             with pytest.raises(InvalidStatus) as info:
                 connect(ws_url(served), additional_headers=headers, subprotocols=protocols)
             assert info.value.response.status_code == 401
@@ -550,7 +596,7 @@ def test_gone_client_leaves_no_engine_work(slow_engine, talk):
     with gateway(slow_engine.url, realtime_interim_s=0.2) as served:
         ws = connect(ws_url(served))
         manual(ws)
-        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:spans[0][1]]))
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[: spans[0][1]]))
         assert wait_for(lambda: state.active == 1, timeout=2)  # the interim decode of the open turn
         send(ws, "input_audio_buffer.commit")
         assert wait_for(lambda: state.abandoned - abandoned == 1 and state.active == 1, timeout=2)  # now the final
@@ -571,7 +617,7 @@ def test_interim_decodes_share_the_engine_slots(slow_engine, talk):
         with connect(ws_url(served)) as a, connect(ws_url(served)) as b:
             for ws in (a, b):
                 manual(ws)
-                send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:spans[0][1]]))
+                send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[: spans[0][1]]))
             assert wait_for(lambda: state.active == 1, timeout=3)
             assert not wait_for(lambda: state.active > 1, timeout=1.5)
         assert wait_for(lambda: state.active == 0 and hub_of(served).interims["stub"] == 0)
@@ -605,7 +651,7 @@ def test_stalled_client_leaves_no_engine_work(slow_engine, talk):
     with gateway(slow_engine.url, realtime_idle_s=2, realtime_interim_s=0.2) as served:
         with connect(ws_url(served)) as ws:
             manual(ws)
-            send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[:spans[0][1] // 2]))
+            send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[: spans[0][1] // 2]))
             assert wait_for(lambda: state.active == 1, timeout=2)
             t0 = time.monotonic()
             assert events_until(ws, "error", timeout=10)[-1]["error"]["code"] == "idle_timeout"
@@ -620,8 +666,12 @@ def _raw_client(port: int):
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     key = base64.b64encode(b"0123456789abcdef").decode()
-    sock.sendall((f"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    sock.sendall(
+        (
+            f"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
     assert b" 101 " in sock.recv(1024)
 
     def frame(text: bytes) -> bytes:  # one masked text frame (mask 0: the payload as is)
@@ -656,8 +706,11 @@ def test_longest_turn_is_committed_without_a_commit(engine):
             send(ws, "input_audio_buffer.commit")
             done = []
             while len(done) < 3:
-                done += [e for e in events_until(ws, "conversation.item.input_audio_transcription.completed")
-                         if e["type"].endswith("completed")]
+                done += [
+                    e
+                    for e in events_until(ws, "conversation.item.input_audio_transcription.completed")
+                    if e["type"].endswith("completed")
+                ]
             assert [e["usage"]["seconds"] for e in done] == [2.0, 2.0, 1.0]
 
 
@@ -687,10 +740,9 @@ def test_bench_keeps_up_only_when_every_turn_is_in_time():
 
     def run(done_after: list[float], delta_after: float | None = None) -> Run:
         r = Run(t0=100.0, sent_until=107.0)
-        for i, ((a, b), late) in enumerate(zip(spans, done_after)):
+        for i, ((a, b), late) in enumerate(zip(spans, done_after, strict=False)):
             first = None if delta_after is None else 100 + a / 16000 + delta_after
-            r.items[f"i{i}"] = Item(f"i{i}", completed=100 + b / 16000 + late, transcript=f" t{i}",
-                                    first_delta=first)
+            r.items[f"i{i}"] = Item(f"i{i}", completed=100 + b / 16000 + late, transcript=f" t{i}", first_delta=first)
         return r
 
     out = summarize([run([0.5, 0.7], 1.2), run([0.4, 2.5]), TimeoutError()], spans, keep_up_s=2.0, clip_s=7.0)
@@ -699,7 +751,6 @@ def test_bench_keeps_up_only_when_every_turn_is_in_time():
     assert sorted(out["texts"]) == ["t0 t1", "t0 t1"] and out["client_send_lag_s"] == pytest.approx(0)
     # without an interim delta the first delta is the final's: 1.2 and 1.2 (interim), 2.4 and 4.5 (the finals')
     assert out["first_delta_s"]["p50"] == pytest.approx((1.2 + 2.4) / 2)
-
 
 
 def test_session_keeps_reading_while_its_turns_wait(slow_engine, monkeypatch):
@@ -742,7 +793,7 @@ def test_finals_first_across_sessions(slow_engine, talk):
             send(a, "input_audio_buffer.append", audio=pcm16_base64(tone(1.0)))
             send(a, "input_audio_buffer.commit")
             assert wait_for(lambda: state.active == 1, timeout=3)  # a's final
-            send(b, "input_audio_buffer.append", audio=pcm16_base64(audio[:spans[0][1]]))
+            send(b, "input_audio_buffer.append", audio=pcm16_base64(audio[: spans[0][1]]))
             assert not wait_for(lambda: state.active > 1, timeout=1.5)  # no interim for b
         assert wait_for(lambda: state.active == 0 and hub_of(served).total == 0, timeout=5)
         assert hub_of(served).finals["stub"] == 0 and hub_of(served).interims["stub"] == 0

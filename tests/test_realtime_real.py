@@ -11,7 +11,6 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -49,10 +48,16 @@ def talk(tmp_path_factory) -> dict:
     path, spans = speech.conversation(out / "talk.wav", SENTENCES, pause_s=1.2, lead_s=1.0)
     audio, _ = soundfile.read(path, dtype="int16")
     raw24 = out / "talk-24k.raw"
-    subprocess.run(["sox", "-R", str(path), "-r", "24000", "-b", "16", "-e", "signed-integer", "-t", "raw",
-                    str(raw24)], check=True)
-    return {"path": path, "audio": audio, "spans": spans, "raw24": raw24,
-            "audio24": np.frombuffer(raw24.read_bytes(), dtype="<i2")}
+    subprocess.run(
+        ["sox", "-R", str(path), "-r", "24000", "-b", "16", "-e", "signed-integer", "-t", "raw", str(raw24)], check=True
+    )
+    return {
+        "path": path,
+        "audio": audio,
+        "spans": spans,
+        "raw24": raw24,
+        "audio24": np.frombuffer(raw24.read_bytes(), dtype="<i2"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +87,7 @@ def check_turns(run: realtime.Run, n: int, spans: list[tuple[int, int]] | None =
     for it in run.completed:
         said = "".join(it.deltas).split()
         final = it.transcript.split()
-        assert said == final or said[:-1] == final[:len(said) - 1] or len(said) < len(final)
+        assert said == final or said[:-1] == final[: len(said) - 1] or len(said) < len(final)
     if spans:
         for it, (a, _) in zip(run.completed, spans, strict=True):
             assert abs(it.audio_start_ms - (a / 16 - 300)) < 400, (it.audio_start_ms, a / 16)
@@ -92,15 +97,17 @@ def test_final_text_equals_the_http_transcription(gateway, whisper_engine, talk)
     """Manual commits in the pauses, 16 kHz, sent as fast as it goes: each turn's `completed` transcript is exactly
     what POST /v1/audio/transcriptions answers for the same samples, and usage is the engine's."""
     audio, spans = talk["audio"], talk["spans"][:4]
-    cuts = [(b + a2) // 2 for (_, b), (a2, _) in zip(spans, talk["spans"][1:5])]
-    run = asyncio.run(realtime.stream(gateway.url, whisper_engine.name, audio[:cuts[-1]], pace=0,
-                                      turn_detection=None, commits=cuts))
+    cuts = [(b + a2) // 2 for (_, b), (a2, _) in zip(spans, talk["spans"][1:5], strict=False)]
+    run = asyncio.run(
+        realtime.stream(gateway.url, whisper_engine.name, audio[: cuts[-1]], pace=0, turn_detection=None, commits=cuts)
+    )
     check_turns(run, 4)
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=300)
     completed = run.of_type(realtime.COMPLETED)
-    for (start, end), ev in zip(zip([0, *cuts[:-1]], cuts), completed, strict=True):
-        http = client.audio.transcriptions.create(**transcription_kwargs(wav_bytes(audio[start:end]),
-                                                                         model=whisper_engine.name))
+    for (start, end), ev in zip(zip([0, *cuts[:-1]], cuts, strict=False), completed, strict=True):
+        http = client.audio.transcriptions.create(
+            **transcription_kwargs(wav_bytes(audio[start:end]), model=whisper_engine.name)
+        )
         assert ev["transcript"] == http.text
         assert ev["usage"] == {"type": "duration", "seconds": http.usage.seconds}
 
@@ -119,8 +126,12 @@ def test_ga_sdk_real_time_with_server_vad(gateway, whisper_engine, talk):
 
 def test_beta_sdk_faster_than_real_time(gateway, whisper_engine, talk):
     """The SDK's beta client (transcription_session.update) streaming at 4x real time."""
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0,
-                           websocket_base_url=gateway.url.replace("http", "ws") + "/v1")
+    client = openai.OpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        websocket_base_url=gateway.url.replace("http", "ws") + "/v1",
+    )
     audio24, n = talk["audio24"], 4
     end = (talk["spans"][n - 1][1] + talk["spans"][n][0]) * 3 // 4  # 24 kHz index in the pause after sentence n
     texts = []
@@ -128,7 +139,7 @@ def test_beta_sdk_faster_than_real_time(gateway, whisper_engine, talk):
         conn.transcription_session.update(session=realtime_beta_session(whisper_engine.name))
         t0 = time.monotonic()
         for i in range(0, end, 2400):
-            conn.input_audio_buffer.append(audio=pcm16_base64(audio24[i:i + 2400]))
+            conn.input_audio_buffer.append(audio=pcm16_base64(audio24[i : i + 2400]))
             time.sleep(max(0.0, t0 + (i + 2400) / 24000 / 4 - time.monotonic()))
         for ev in conn:
             if ev.type == "conversation.item.input_audio_transcription.completed":
@@ -146,14 +157,24 @@ def test_client_leaving_mid_turn_leaves_no_engine_work(gateway, whisper_engine, 
 
     def finished() -> float:
         text = httpx.get(f"{whisper_engine.base_url}/metrics", timeout=10).text
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "vllm:request_success_total")
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "vllm:request_success_total"
+        )
 
     before = finished()
     with connect(gateway.url.replace("http", "ws") + "/v1/realtime?intent=transcription") as ws:
-        ws.send(json.dumps({"type": "session.update", "session": realtime_session(
-            whisper_engine.name, rate=16000, turn_detection=None)}))
-        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_base64(talk["audio"][:29 * 16000])}))
+        ws.send(
+            json.dumps(
+                {
+                    "type": "session.update",
+                    "session": realtime_session(whisper_engine.name, rate=16000, turn_detection=None),
+                }
+            )
+        )
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_base64(talk["audio"][: 29 * 16000])}))
         ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
         deadline = time.monotonic() + 60
         while sum(engine_counts(whisper_engine).values()) == 0 and time.monotonic() < deadline:
@@ -172,26 +193,33 @@ def test_client_leaving_mid_turn_leaves_no_engine_work(gateway, whisper_engine, 
 
 def _certificate(folder: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1, made now (never stored)."""
+    import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    import ipaddress
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -210,8 +238,23 @@ def node_realtime_sdk() -> Path:
     modules = prefix / "node_modules"
     if not (modules / "openai" / "realtime" / "ws.mjs").is_file() or not (modules / "ws").is_dir():
         result = subprocess.run(
-            [str(node), str(npm), "install", "--prefix", str(prefix), "--no-save", "--no-package-lock", "--no-audit",
-             "--no-fund", f"openai@{NODE_OPENAI}", f"ws@{NODE_WS}"], capture_output=True, text=True, timeout=300)
+            [
+                str(node),
+                str(npm),
+                "install",
+                "--prefix",
+                str(prefix),
+                "--no-save",
+                "--no-package-lock",
+                "--no-audit",
+                "--no-fund",
+                f"openai@{NODE_OPENAI}",
+                f"ws@{NODE_WS}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, f"npm install failed:\n{result.stdout}{result.stderr}"
     return modules
 
@@ -220,8 +263,11 @@ def test_node_sdk_over_wss(whisper_engine, talk, node_realtime_sdk, tmp_path):
     """OpenAI's Node SDK (OpenAIRealtimeWS, wss only) against the gateway served over TLS with a certificate made
     for the test, which node trusts through NODE_EXTRA_CA_CERTS (no verification turned off)."""
     cert, key = _certificate(tmp_path)
-    served = ServedApp(create_app(Settings(engines=f"audio={whisper_engine.base_url}", api_key="node-key")),
-                       ssl_certfile=str(cert), ssl_keyfile=str(key))
+    served = ServedApp(
+        create_app(Settings(engines=f"audio={whisper_engine.base_url}", api_key="node-key")),
+        ssl_certfile=str(cert),
+        ssl_keyfile=str(key),
+    )
     n = 3
     end = (talk["spans"][n - 1][1] + talk["spans"][n][0]) * 3 // 4
     pcm = tmp_path / "three.raw"
@@ -229,9 +275,16 @@ def test_node_sdk_over_wss(whisper_engine, talk, node_realtime_sdk, tmp_path):
     try:
         result = subprocess.run(
             [str(node_binary()), str(NODE_SCRIPT), f"{served.url}/v1", whisper_engine.name, str(pcm), str(n), "4"],
-            capture_output=True, text=True, timeout=300,
-            env={**os.environ, "OPENAI_NODE_MODULES": str(node_realtime_sdk), "NODE_EXTRA_CA_CERTS": str(cert),
-                 "OPENAI_API_KEY": "node-key"})
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={
+                **os.environ,
+                "OPENAI_NODE_MODULES": str(node_realtime_sdk),
+                "NODE_EXTRA_CA_CERTS": str(cert),
+                "OPENAI_API_KEY": "node-key",
+            },
+        )
     finally:
         served.stop()
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -251,12 +304,18 @@ def test_browser_page_with_a_fake_microphone(gateway, whisper_engine, talk, tmp_
     n = 3
     end = (talk["spans"][n - 1][1] + talk["spans"][n][0]) // 2
     wav = tmp_path / "mic.wav"
-    soundfile.write(wav, np.concatenate([talk["audio"][:end], np.zeros(16000 * 3, np.int16)]), 16000,
-                    subtype="PCM_16")
+    soundfile.write(wav, np.concatenate([talk["audio"][:end], np.zeros(16000 * 3, np.int16)]), 16000, subtype="PCM_16")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-            f"--use-file-for-fake-audio-capture={wav}%noloop", "--autoplay-policy=no-user-gesture-required"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--use-fake-ui-for-media-stream",
+                "--use-fake-device-for-media-stream",
+                f"--use-file-for-fake-audio-capture={wav}%noloop",
+                "--autoplay-policy=no-user-gesture-required",
+            ],
+        )
         try:
             page = browser.new_page()
             errors: list[str] = []

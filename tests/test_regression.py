@@ -50,13 +50,17 @@ def assert_fails_with_known_error(engine: Engine, send) -> None:
     assert not engine.alive()
 
 
-def test_whisper_unpatched_fails_patched_passes(whisper_model, proof_python, unpatched_vllm, whisper_engine, clips,
-                                                logs_dir):
+def test_whisper_unpatched_fails_patched_passes(
+    whisper_model, proof_python, unpatched_vllm, whisper_engine, clips, logs_dir
+):
     path, text = clips[0]
 
     def transcribe(engine: Engine) -> str:
-        return engine.client().audio.transcriptions.create(
-            **transcription_kwargs(path, model=engine.name, language="en")).text
+        return (
+            engine.client()
+            .audio.transcriptions.create(**transcription_kwargs(path, model=engine.name, language="en"))
+            .text
+        )
 
     with proof_engine(whisper_model, proof_python, logs_dir / "whisper-proof-unpatched.log", unpatched_vllm) as bad:
         assert_fails_with_known_error(bad, lambda: transcribe(bad))
@@ -76,12 +80,18 @@ def test_two_images_unpatched_fails_patched_passes(llava_model, proof_python, un
         reply = engine.client().chat.completions.create(**image_chat_kwargs(images, model=engine.name))
         return reply.choices[0].message.content
 
-    with proof_engine(llava_model, proof_python, logs_dir / "tiny-llava-proof-unpatched.log", unpatched_vllm,
-                      vllm_args=VISION_LIMIT_ARGS) as bad:
+    with proof_engine(
+        llava_model,
+        proof_python,
+        logs_dir / "tiny-llava-proof-unpatched.log",
+        unpatched_vllm,
+        vllm_args=VISION_LIMIT_ARGS,
+    ) as bad:
         assert_fails_with_known_error(bad, lambda: chat(bad))
 
-    with proof_engine(llava_model, proof_python, logs_dir / "tiny-llava-proof-patched.log",
-                      vllm_args=VISION_LIMIT_ARGS) as good:
+    with proof_engine(
+        llava_model, proof_python, logs_dir / "tiny-llava-proof-patched.log", vllm_args=VISION_LIMIT_ARGS
+    ) as good:
         assert chat(good).strip()
         assert_proof_line(good)
         assert KNOWN_ERROR not in good.log()

@@ -98,8 +98,9 @@ def test_logprobs_and_top_logprobs(llava_engine):
 
 def test_penalties_change_greedy_text(llava_engine):
     plain = text(chat(llava_engine, temperature=0, max_tokens=24))
-    penalised = text(chat(llava_engine, temperature=0, max_tokens=24, frequency_penalty=2.0,
-                          extra_body={"repetition_penalty": 2.0}))
+    penalised = text(
+        chat(llava_engine, temperature=0, max_tokens=24, frequency_penalty=2.0, extra_body={"repetition_penalty": 2.0})
+    )
     assert penalised != plain
 
 
@@ -107,8 +108,11 @@ def test_logit_bias_changes_the_answer(llava_engine):
     """Forbid the greedy first token: the answer must start differently."""
     first = chat(llava_engine, temperature=0, logprobs=True, max_tokens=4)
     token = first.choices[0].logprobs.content[0].token
-    token_ids = httpx.post(f"{llava_engine.base_url}/tokenize", timeout=30,
-                           json={"model": llava_engine.name, "prompt": token, "add_special_tokens": False}).json()["tokens"]
+    token_ids = httpx.post(
+        f"{llava_engine.base_url}/tokenize",
+        timeout=30,
+        json={"model": llava_engine.name, "prompt": token, "add_special_tokens": False},
+    ).json()["tokens"]
     assert len(token_ids) == 1, f"{token!r} is not one token: {token_ids}"
     biased = chat(llava_engine, temperature=0, logprobs=True, max_tokens=4, logit_bias={str(token_ids[0]): -100})
     assert biased.choices[0].logprobs.content[0].token != token
@@ -134,8 +138,12 @@ def test_structured_output_json_schema(llava_engine):
     """response_format json_schema, as the openai client sends it: the answer parses and follows the schema.
     The grammar allows JSON whitespace, which a random-weight model emits a lot of: max_tokens leaves room for
     it, and a fixed seed makes the run reproducible (the same seed, the same document)."""
-    schema = {"type": "object", "properties": {"animal": {"type": "string", "enum": ["cat", "dog"]}},
-              "required": ["animal"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"animal": {"type": "string", "enum": ["cat", "dog"]}},
+        "required": ["animal"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
     result = chat(llava_engine, max_tokens=100, seed=2, response_format=fmt)
     assert result.choices[0].finish_reason == "stop", text(result)
@@ -154,9 +162,11 @@ def test_streaming_with_default_sampling(llava_engine):
 # (temperature, extra body, WER bound): at 0.4 a tiny model still hears the sentence; at 1.0 a sample may drift
 # arbitrarily far (measured: WER 0.67 on one unseeded run), so there the request must succeed and say something.
 # Seeded, so a run repeats itself on one machine.
-@pytest.mark.parametrize(("temperature", "extra", "wer_bound"),
-                         [(0.4, {"seed": 7}, 0.6), (1.0, {"top_p": 0.9, "seed": 7}, None)],
-                         ids=["temperature-0.4", "temperature-1-top_p"])
+@pytest.mark.parametrize(
+    ("temperature", "extra", "wer_bound"),
+    [(0.4, {"seed": 7}, 0.6), (1.0, {"top_p": 0.9, "seed": 7}, None)],
+    ids=["temperature-0.4", "temperature-1-top_p"],
+)
 def test_transcription_with_sampling(whisper_engine, clips, temperature, extra, wer_bound):
     """Sampled transcription (what once killed the engine) works, and the engine transcribes greedily after it."""
     client = whisper_engine.client()

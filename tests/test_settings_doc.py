@@ -1,4 +1,5 @@
-"""Settings are written once (mmcpu/config.py): docs/settings.md's table is generated from the class and must be current.
+"""Settings are written once (mmcpu/config.py): docs/settings.md's table is generated from the class and must be
+current.
 (compose.yaml's environment list against the same class: tests/test_compose.py.)"""
 
 from __future__ import annotations

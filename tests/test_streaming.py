@@ -15,11 +15,11 @@ import pytest
 from openai.types.audio import TranscriptionTextDeltaEvent, TranscriptionTextDoneEvent
 
 from mmcpu.config import Settings, get_settings
+from mmcpu.gateway.app import create_app
 from mmcpu_dev import speech
 from mmcpu_dev.checks import WER_LIMIT
 from mmcpu_dev.payloads import audio_form, transcription_kwargs
 from mmcpu_dev.servers import ServedApp
-from mmcpu.gateway.app import create_app
 
 pytestmark = pytest.mark.slow
 
@@ -141,9 +141,21 @@ def node_openai() -> Path:
     if not package.is_file() or json.loads(package.read_text())["version"] != NODE_OPENAI:
         # --legacy-peer-deps: the SDK's peers (ws, zod) are for realtime and helpers, not needed here.
         result = subprocess.run(
-            [npm, "install", "--prefix", str(prefix), "--no-save", "--no-package-lock", "--no-audit", "--no-fund",
-             "--legacy-peer-deps", f"openai@{NODE_OPENAI}"],
-            capture_output=True, text=True, timeout=600,
+            [
+                npm,
+                "install",
+                "--prefix",
+                str(prefix),
+                "--no-save",
+                "--no-package-lock",
+                "--no-audit",
+                "--no-fund",
+                "--legacy-peer-deps",
+                f"openai@{NODE_OPENAI}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert result.returncode == 0, f"npm install openai@{NODE_OPENAI} failed:\n{result.stdout}{result.stderr}"
     assert json.loads(package.read_text())["version"] == NODE_OPENAI
@@ -154,8 +166,13 @@ def node_openai() -> Path:
 def test_node_sdk_for_await_reads_event_types(whisper_engine, clips, node_openai, temperature):
     clip, reference = clips[0]
     args = ["node", str(NODE_SCRIPT), f"{whisper_engine.base_url}/v1", whisper_engine.name, str(clip)]
-    result = subprocess.run([*args, *([temperature] if temperature else [])], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OPENAI_NODE_MODULES": str(node_openai)})
+    result = subprocess.run(
+        [*args, *([temperature] if temperature else [])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OPENAI_NODE_MODULES": str(node_openai)},
+    )
     print(f"\n{result.stdout}{result.stderr}")
     assert result.returncode == 0, result.stderr
     *events, end = [json.loads(line) for line in result.stdout.splitlines()]

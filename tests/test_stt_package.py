@@ -28,8 +28,9 @@ def decode(tokens: list[int]) -> str:
 
 
 def segments(tokens: list[int], start: float = 10.0, end: float = 40.0) -> list[formats.Segment]:
-    return formats.window_segments(tokens, [-0.5] * len(tokens), decode, timestamp_begin=TS, eot=EOT,
-                                   window_start=start, window_end=end)
+    return formats.window_segments(
+        tokens, [-0.5] * len(tokens), decode, timestamp_begin=TS, eot=EOT, window_start=start, window_end=end
+    )
 
 
 def test_segments_between_timestamps_in_clip_time():
@@ -107,6 +108,7 @@ def test_the_launcher_refuses_a_plugin_that_is_missing_or_broken(monkeypatch):
     # preflight asks only under MMCPU_STT_ROUTES=plugin
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     assert launch.preflight(Settings(runner="v2", triton_interpret=False), env={"CXX": "/bin/true"}) is None
-    reason = launch.preflight(Settings(runner="v2", triton_interpret=False, stt_routes="plugin"),
-                              env={"CXX": "/bin/true"})
+    reason = launch.preflight(
+        Settings(runner="v2", triton_interpret=False, stt_routes="plugin"), env={"CXX": "/bin/true"}
+    )
     assert reason and "does not load" in reason

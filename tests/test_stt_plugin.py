@@ -49,8 +49,12 @@ def long_clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]
 
 def post(engine, audio: Path, route: str, task: str = "transcriptions", **fields: str) -> httpx.Response:
     form = {"model": engine.name, "temperature": "0", **fields, **(PROBE if route == VLLM else {})}
-    response = httpx.post(f"{engine.base_url}/v1/audio/{task}", data=form,
-                          files={"file": (audio.name, audio.read_bytes(), "audio/wav")}, timeout=300)
+    response = httpx.post(
+        f"{engine.base_url}/v1/audio/{task}",
+        data=form,
+        files={"file": (audio.name, audio.read_bytes(), "audio/wav")},
+        timeout=300,
+    )
     assert response.status_code == 200, response.text
     assert response.headers.get(ROUTE_HEADER) == route, (route, dict(response.headers))
     return response
@@ -59,7 +63,7 @@ def post(engine, audio: Path, route: str, task: str = "transcriptions", **fields
 def engine_requests(engine) -> float:
     """Engine requests finished so far (vLLM's counter): what one answer cost in decodes."""
     text = httpx.get(f"{engine.base_url}/metrics", timeout=30).text
-    return sum(float(m) for m in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.MULTILINE))
+    return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
 
 
 def clock(stamp: str) -> float:
@@ -92,8 +96,8 @@ def test_stream_through_openai_sdk(stt_engine, clips, long_clip):
 
     def stream(audio: Path, route: str) -> tuple[list[str], object]:
         with client.audio.transcriptions.with_streaming_response.create(
-                model=stt_engine.name, file=audio, temperature=0.0, stream=True,
-                extra_body=PROBE if route == VLLM else None) as raw:
+            model=stt_engine.name, file=audio, temperature=0.0, stream=True, extra_body=PROBE if route == VLLM else None
+        ) as raw:
             assert raw.headers.get(ROUTE_HEADER) == route
             events = list(raw.parse())
         (done,) = [e for e in events if e.type == "transcript.text.done"]
@@ -141,7 +145,7 @@ def test_verbose_json_keeps_every_sentence(stt_engine, long_clip):
     starts = [s["start"] for s in segments]
     assert starts == sorted(starts) and all(0 <= s["start"] <= s["end"] <= doc["duration"] for s in segments)
     assert [s["id"] for s in segments] == list(range(len(segments)))
-    for sentence, (a, b) in zip(sentences, spans):
+    for sentence, (a, b) in zip(sentences, spans, strict=False):
         # The segments that overlap the sentence's speech hold most of its words.
         near = " ".join(s["text"] for s in segments if s["start"] < b - 0.3 and s["end"] > a + 0.3)
         found = set(words(near))
@@ -161,33 +165,46 @@ def test_subtitles_parse_and_match_segments(stt_engine, long_clip, response_form
         cues = [(clock(c.start), clock(c.end), c.text) for c in webvtt.from_string(body)]
     expected = [(s["start"], s["end"], s["text"].strip()) for s in doc["segments"]]
     assert [c[2] for c in cues] == [e[2] for e in expected]
-    assert all(abs(c[0] - e[0]) < 0.002 and abs(c[1] - e[1]) < 0.002 for c, e in zip(cues, expected))
+    assert all(abs(c[0] - e[0]) < 0.002 and abs(c[1] - e[1]) < 0.002 for c, e in zip(cues, expected, strict=False))
 
 
 def test_errors_are_4xx_naming_the_parameter(stt_engine, clips):
-    cases = [({"language": "de"}, clips[0][0].read_bytes(), "language"), ({}, b"not audio" * 50, "file"),
-             ({}, b"", "file")]
+    cases = [
+        ({"language": "de"}, clips[0][0].read_bytes(), "language"),
+        ({}, b"not audio" * 50, "file"),
+        ({}, b"", "file"),
+    ]
     for fields, data, param in cases:
-        response = httpx.post(f"{stt_engine.base_url}/v1/audio/transcriptions",
-                              data={"model": stt_engine.name, **fields}, files={"file": ("a.wav", data, "audio/wav")},
-                              timeout=60)
+        response = httpx.post(
+            f"{stt_engine.base_url}/v1/audio/transcriptions",
+            data={"model": stt_engine.name, **fields},
+            files={"file": ("a.wav", data, "audio/wav")},
+            timeout=60,
+        )
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param, response.text
     assert stt_engine.alive()
 
 
-@pytest.mark.parametrize(("fields", "reason"), [
-    ({"response_format": "diarized_json"}, "response_format"),
-    ({"response_format": "verbose_json", "timestamp_granularities[]": "word"}, "timestamp_granularities"),
-    ({"timestamp_granularities[]": "segment"}, "timestamp_granularities"),
-    ({"chunking_strategy": "auto"}, "chunking_strategy"),
-    ({"model": "no-such-model"}, "model"),
-])
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"response_format": "diarized_json"}, "response_format"),
+        ({"response_format": "verbose_json", "timestamp_granularities[]": "word"}, "timestamp_granularities"),
+        ({"timestamp_granularities[]": "segment"}, "timestamp_granularities"),
+        ({"chunking_strategy": "auto"}, "chunking_strategy"),
+        ({"model": "no-such-model"}, "model"),
+    ],
+)
 def test_uncovered_requests_go_to_vllm(stt_engine, clips, fields, reason):
     """What the package does not cover yet is answered by vLLM's serving as before (its answer or its error)."""
     form = {"model": stt_engine.name, "temperature": "0", **fields}
-    response = httpx.post(f"{stt_engine.base_url}/v1/audio/transcriptions", data=form,
-                          files={"file": ("a.wav", clips[1][0].read_bytes(), "audio/wav")}, timeout=300)
+    response = httpx.post(
+        f"{stt_engine.base_url}/v1/audio/transcriptions",
+        data=form,
+        files={"file": ("a.wav", clips[1][0].read_bytes(), "audio/wav")},
+        timeout=300,
+    )
     assert response.headers.get(ROUTE_HEADER) == f"vllm; reason={reason}", (response.status_code, response.text)
     assert response.status_code in (200, 400, 404), response.text
     if fields.get("timestamp_granularities[]") == "word":

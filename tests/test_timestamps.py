@@ -40,23 +40,28 @@ def processor(histories: list[list[int]], prompt_len: int = 3, text: list[int] |
     tokens = torch.zeros((n + 1, width), dtype=torch.int32)
     for i, h in enumerate(histories):
         tokens[i, : len(h)] = torch.tensor(h)
-    states = SimpleNamespace(max_num_reqs=n + 1, all_token_ids=SimpleNamespace(gpu=tokens),
-                             prompt_len=SimpleNamespace(gpu=torch.full((n + 1,), prompt_len, dtype=torch.int32)))
+    states = SimpleNamespace(
+        max_num_reqs=n + 1,
+        all_token_ids=SimpleNamespace(gpu=tokens),
+        prompt_len=SimpleNamespace(gpu=torch.full((n + 1,), prompt_len, dtype=torch.int32)),
+    )
     proc = WhisperTimestamps(None, states)
     on = SamplingParams(extra_args=request_args(TB, EOT, NO_TS, text=text))
     assert all(proc.add_request(i, on) for i in range(n))
     assert proc.add_request(n, SamplingParams()) is False  # not timestamped: declined
     slots = torch.arange(n + 1)
     ctx = SimpleNamespace(
-        expanded_idx_mapping=slots, idx_mapping_np=slots.numpy(),
+        expanded_idx_mapping=slots,
+        idx_mapping_np=slots.numpy(),
         pos=torch.tensor([len(h) - 1 for h in histories] + [0]),
         input_ids=torch.tensor([h[-1] for h in histories] + [0]),
-    )  # fmt: skip
+    )
     return proc, ctx
 
 
-def allowed(histories: list[list[int]], logits: torch.Tensor | None = None,
-            text: list[int] | None = None) -> list[set[int]]:
+def allowed(
+    histories: list[list[int]], logits: torch.Tensor | None = None, text: list[int] | None = None
+) -> list[set[int]]:
     proc, ctx = processor(histories, text=text)
     n = len(histories)
     if logits is None:  # text likely: the forcing rule stays out of the way
@@ -143,8 +148,19 @@ def test_invalid_extra_args_are_refused():
     with pytest.raises(ValueError, match=KEY):
         WhisperTimestamps.validate_params(SamplingParams(extra_args={KEY: {"timestamp_begin": "x"}}))
     with pytest.raises(ValueError, match="text"):  # a forced text holds text tokens only
-        WhisperTimestamps.validate_params(SamplingParams(extra_args={KEY: {
-            "timestamp_begin": TB, "eot": EOT, "no_timestamps": NO_TS, "max_initial": 50, "text": [5, EOT]}}))
+        WhisperTimestamps.validate_params(
+            SamplingParams(
+                extra_args={
+                    KEY: {
+                        "timestamp_begin": TB,
+                        "eot": EOT,
+                        "no_timestamps": NO_TS,
+                        "max_initial": 50,
+                        "text": [5, EOT],
+                    }
+                }
+            )
+        )
     WhisperTimestamps.validate_params(SamplingParams())
 
 
@@ -223,7 +239,7 @@ def check_response(engine: Engine, clips: list, fw: list[dict] | None, **fields:
         assert body["text"] == "".join(s["text"] for s in segs).strip(), name
         assert [s["id"] for s in segs] == list(range(len(segs))), name
         assert all(0 <= s["start"] <= s["end"] <= seconds + 1e-6 for s in segs), name
-        assert all(a["end"] <= b["start"] + 1e-6 for a, b in zip(segs, segs[1:])), name
+        assert all(a["end"] <= b["start"] + 1e-6 for a, b in zip(segs, segs[1:], strict=False)), name
         assert timestamps.words(body["text"]) == timestamps.words(plain), (name, plain, body["text"])
         first, last = speech_extent(path)
         for fmt in ("srt", "vtt"):
@@ -234,12 +250,15 @@ def check_response(engine: Engine, clips: list, fw: list[dict] | None, **fields:
                 cues = [(c.start_in_seconds, c.end_in_seconds, c.text) for c in webvtt.from_buffer(io.StringIO(text))]
             assert timestamps.words(" ".join(c[2] for c in cues)) == timestamps.words(plain), (name, fmt)
             assert all(a <= b <= seconds + 1e-3 for a, b, _ in cues), (name, fmt)
-            assert all(p[1] <= q[0] + 1e-3 for p, q in zip(cues, cues[1:])), (name, fmt)
+            assert all(p[1] <= q[0] + 1e-3 for p, q in zip(cues, cues[1:], strict=False)), (name, fmt)
             # cover the speech: from its first second to its last
             assert cues[0][0] <= first + 1.0 and cues[-1][1] >= last - 2.0, (name, fmt, cues[0], cues[-1], first, last)
         if ref is not None:
             assert abs(len(segs) - len(ref["segments"])) <= max(2, COUNT_SLACK * len(ref["segments"])), (
-                name, len(segs), len(ref["segments"]))
+                name,
+                len(segs),
+                len(ref["segments"]),
+            )
 
 
 @pytest.mark.slow
@@ -252,24 +271,26 @@ def test_tiny_en_segments_keep_the_words(whisper_engine: Engine, ts_clips, fw_re
 def test_int8_segments_keep_the_words(int8_engine: Engine, ts_clips, fw_reference):
     """The audio role's default checkpoint (int8 linears): the same words, subtitles and segment counts."""
     clips = ts_clips[:3]  # 2.5-40 s: one and two windows
-    fw = fw_reference.transcribe([p for _, p, _ in clips], fw_reference.weights("whisper-tiny.en"),
-                                 compute_type="int8")  # fmt: skip
+    fw = fw_reference.transcribe([p for _, p, _ in clips], fw_reference.weights("whisper-tiny.en"), compute_type="int8")
     check_response(int8_engine, clips, fw)
 
 
 @pytest.mark.slow
 def test_default_temperature_works(whisper_engine: Engine, ts_clips):
     name, path, seconds = ts_clips[1]
-    body = timestamps.transcribe(whisper_engine.base_url, whisper_engine.name, path, "verbose_json",
-                                 temperature=None)  # fmt: skip
+    body = timestamps.transcribe(whisper_engine.base_url, whisper_engine.name, path, "verbose_json", temperature=None)
     assert body["segments"] and body["segments"][-1]["end"] <= seconds
 
 
 @pytest.mark.slow
 def test_whisper_base_with_language_and_detection(base_engine: Engine, ts_clips, tmp_path: Path):
     check_response(base_engine, ts_clips[:2], None, language="en")
-    fr = speech.synthesize(speech.PASSAGES["fr"], tmp_path / "fr.wav", speed=speech.PASSAGE_SPEED,
-                           voice=speech.PASSAGE_VOICE.format(lang="fr"))  # fmt: skip
+    fr = speech.synthesize(
+        speech.PASSAGES["fr"],
+        tmp_path / "fr.wav",
+        speed=speech.PASSAGE_SPEED,
+        voice=speech.PASSAGE_VOICE.format(lang="fr"),
+    )
     body = timestamps.transcribe(base_engine.base_url, base_engine.name, fr, "verbose_json")
     assert body["language"] == "fr" and body["segments"], body
     assert not math.isclose(body["segments"][-1]["end"], 30.0)

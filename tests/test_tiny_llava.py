@@ -13,8 +13,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")  # the fixture needs the engine venv (.cache/venv)
 
-from mmcpu_dev.fixtures import tiny_llava  # noqa: E402
 from mmcpu_dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
+from mmcpu_dev.fixtures import tiny_llava  # noqa: E402
 
 IMAGE_TOKENS = (tiny_llava.IMAGE_SIZE // tiny_llava.PATCH_SIZE) ** 2  # CLS dropped by the "default" strategy
 
@@ -156,4 +156,3 @@ def test_weights_load_and_images_change_the_answer(model_dir, processor):
         assert len(ids) == 16 and not special & set(ids)
         text = processor.decode(ids)
         assert text.strip() and text.isprintable()
-

@@ -26,8 +26,10 @@ def transcribe_all(engine, clips, **kwargs) -> list[str]:
 def test_speech_is_deterministic(tmp_path):
     """The same text gives the same samples (sox dithers unless told not to): a WER bound then judges the model, not
     the noise of one synthesis."""
-    digests = {hashlib.sha256(speech.synthesize(speech.SENTENCES[1], tmp_path / f"{i}.wav").read_bytes()).hexdigest()
-               for i in range(3)}
+    digests = {
+        hashlib.sha256(speech.synthesize(speech.SENTENCES[1], tmp_path / f"{i}.wav").read_bytes()).hexdigest()
+        for i in range(3)
+    }
     assert len(digests) == 1
 
 

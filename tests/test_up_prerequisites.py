@@ -20,19 +20,34 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 E2E = REPO_ROOT / "scripts" / "docker-e2e"
 DOCKER = "/usr/bin/docker" if os.access("/usr/bin/docker", os.X_OK) else shutil.which("docker")
 HAS_COMPOSE = bool(shutil.which("docker-compose")) or (
-    DOCKER is not None and subprocess.run([DOCKER, "compose", "version"], capture_output=True).returncode == 0)
+    DOCKER is not None and subprocess.run([DOCKER, "compose", "version"], capture_output=True).returncode == 0
+)
 needs_docker_client = pytest.mark.skipif(not (DOCKER and HAS_COMPOSE), reason="no docker client and compose here")
 
 
-def run(command: str = "up", *, env: dict[str, str] | None = None, script: Path = E2E,
-        user: int | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+def run(
+    command: str = "up", *, env: dict[str, str] | None = None, script: Path = E2E, user: int | None = None
+) -> tuple[subprocess.CompletedProcess[str], float]:
     # A project of its own and a free port: a stack of this checkout (or another) must not count as ours.
-    base = {**os.environ, "MMCPU_PROJECT": f"prereq-{uuid.uuid4().hex[:8]}", "IMAGE": "mmcpu:prereq-absent",
-            "MMCPU_PUBLISH": f"127.0.0.1:{free_port()}", "HOME": tempfile.gettempdir(),
-            "UP_MIN_DISK_GIB": "100000"}  # were a check to let the run through, it would stop there, not build
+    base = {
+        **os.environ,
+        "MMCPU_PROJECT": f"prereq-{uuid.uuid4().hex[:8]}",
+        "IMAGE": "mmcpu:prereq-absent",
+        "MMCPU_PUBLISH": f"127.0.0.1:{free_port()}",
+        "HOME": tempfile.gettempdir(),
+        "UP_MIN_DISK_GIB": "100000",
+    }  # were a check to let the run through, it would stop there, not build
     t0 = time.monotonic()
-    result = subprocess.run([str(script), command], capture_output=True, text=True, timeout=120,
-                            env={**base, **(env or {})}, user=user, group=user, extra_groups=[] if user else None)
+    result = subprocess.run(
+        [str(script), command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, **(env or {})},
+        user=user,
+        group=user,
+        extra_groups=[] if user else None,
+    )
     return result, time.monotonic() - t0
 
 
@@ -86,7 +101,9 @@ def test_port_in_use(bind):
         port = taken.getsockname()[1]
         publish = f"127.0.0.1:{port}" if bind == "127.0.0.1" else str(port)  # the compose file's two forms
         line = the_line(*run(env={"MMCPU_PUBLISH": publish}))
-    assert f"port {port} on {bind} is in use by another program: stop it, or publish the gateway on another port" in line
+    assert (
+        f"port {port} on {bind} is in use by another program: stop it, or publish the gateway on another port" in line
+    )
     assert "MMCPU_PUBLISH=" in line
 
 
@@ -111,8 +128,15 @@ def test_no_permission_on_the_socket():
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         # The files `make up` reads before the engine, in a tree the other user can read.
-        for rel in ("scripts/docker-e2e", "scripts/docker-engine", "requirements/lines.env", "mmcpu/__init__.py",
-                    "mmcpu/names.py", "mmcpu_dev/__init__.py", "mmcpu_dev/shell.py"):
+        for rel in (
+            "scripts/docker-e2e",
+            "scripts/docker-engine",
+            "requirements/lines.env",
+            "mmcpu/__init__.py",
+            "mmcpu/names.py",
+            "mmcpu_dev/__init__.py",
+            "mmcpu_dev/shell.py",
+        ):
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO_ROOT / rel, root / rel)
         for path in [root, *root.rglob("*")]:
@@ -122,8 +146,13 @@ def test_no_permission_on_the_socket():
             engine.bind(str(sock_path))
             engine.listen()
             sock_path.chmod(0o600)
-            line = the_line(*run(env={"DOCKER_HOST": f"unix://{sock_path}", "UP_MIN_MEM_GIB": "0"},
-                                 script=root / "scripts" / "docker-e2e", user=nobody))
+            line = the_line(
+                *run(
+                    env={"DOCKER_HOST": f"unix://{sock_path}", "UP_MIN_MEM_GIB": "0"},
+                    script=root / "scripts" / "docker-e2e",
+                    user=nobody,
+                )
+            )
     assert f"no permission on the docker socket (unix://{sock_path}): add your user to the docker group" in line
 
 

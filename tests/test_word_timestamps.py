@@ -75,8 +75,12 @@ def _decode(tokens: list[int]) -> str:
 
 
 def test_words_split_on_spaces_and_punctuation():
-    assert wa.split_words([1, 2, 3, 4, 5], _decode, "en") == [(" Hello", [1]), (",", [2]), (" world", [3, 4]),
-                                                              ("!", [5])]
+    assert wa.split_words([1, 2, 3, 4, 5], _decode, "en") == [
+        (" Hello", [1]),
+        (",", [2]),
+        (" world", [3, 4]),
+        ("!", [5]),
+    ]
     assert wa.split_words([9, 10], _decode, None) == [(" it's", [9, 10])]
     # Languages written without spaces: one piece per whole character.
     assert [w for w, _ in wa.split_words([3, 4], _decode, "ja")] == [" wor", "ld"]
@@ -103,7 +107,10 @@ def test_words_for_a_window_are_bare_ordered_and_offset():
     # Rows: <|notimestamps|>, then one per text token " Hello" "," " wor" "ld" "!" (row r predicts token r).
     m = _matrix([(0, 25), (25, 40), (40, 50), (50, 60), (60, 75), (75, 100)], 100)
     [words] = wa.words_for_window(m, [[1, 2, 3, 4, 5]], _decode, language="en", offset=30.0, duration=2.0)
-    assert [(w.word, w.start, w.end) for w in words] == [("Hello", 30.0, 30.5), ("world", 30.8, 31.2)]  # "!" joins "world", which keeps its end
+    assert [(w.word, w.start, w.end) for w in words] == [
+        ("Hello", 30.0, 30.5),
+        ("world", 30.8, 31.2),
+    ]  # "!" joins "world", which keeps its end
 
 
 def test_leading_punctuation_joins_the_next_word_and_times_stay_inside_the_window():
@@ -149,8 +156,7 @@ def test_converter_heads_are_openai_whispers(name):
 
 def test_generation_config_carries_the_heads_and_refuses_a_mismatch():
     dims = whisper_ct2.WhisperDims(384, 51864, 80, 4, 4, 6, 6, 1536, 1536, 1500, 448, True)
-    ids = {"<|startoftranscript|>": 50257, "<|endoftext|>": 50256, "<|notimestamps|>": 50362,
-           "<|startofprev|>": 50360}
+    ids = {"<|startoftranscript|>": 50257, "<|endoftext|>": 50256, "<|notimestamps|>": 50362, "<|startofprev|>": 50360}
     ct2 = {"alignment_heads": [[1, 0], [2, 0]], "suppress_ids": [], "suppress_ids_begin": []}
     assert whisper_ct2.generation_config(dims, ids, ct2, ((1, 0), (2, 0)))["alignment_heads"] == [[1, 0], [2, 0]]
     with pytest.raises(whisper_ct2.ModelBinError, match="alignment_heads"):
@@ -182,12 +188,36 @@ def test_the_int8_checkpoint_keeps_the_heads(whisper_model):
 
 # Each piece spoken on its own, then joined with the gap after it (seconds); a clip starts after LEAD seconds.
 PIECES = [
-    [("morning", 0.3), ("people", 0.25), ("walk", 0.4), ("slowly", 0.2), ("through", 0.3), ("the", 0.15),
-     ("quiet", 0.35), ("park", 0.6)],
-    [("seven", 0.2), ("yellow", 0.45), ("birds", 0.3), ("sat", 0.25), ("on", 0.2), ("an", 0.15), ("old", 0.3),
-     ("fence", 0.5)],
-    [("please", 0.35), ("bring", 0.2), ("water", 0.4), ("and", 0.2), ("bread", 0.3), ("for", 0.25),
-     ("dinner", 0.3), ("tonight", 0.6)],
+    [
+        ("morning", 0.3),
+        ("people", 0.25),
+        ("walk", 0.4),
+        ("slowly", 0.2),
+        ("through", 0.3),
+        ("the", 0.15),
+        ("quiet", 0.35),
+        ("park", 0.6),
+    ],
+    [
+        ("seven", 0.2),
+        ("yellow", 0.45),
+        ("birds", 0.3),
+        ("sat", 0.25),
+        ("on", 0.2),
+        ("an", 0.15),
+        ("old", 0.3),
+        ("fence", 0.5),
+    ],
+    [
+        ("please", 0.35),
+        ("bring", 0.2),
+        ("water", 0.4),
+        ("and", 0.2),
+        ("bread", 0.3),
+        ("for", 0.25),
+        ("dinner", 0.3),
+        ("tonight", 0.6),
+    ],
 ]
 LEADS = [0.4, 0.9, 0.6]
 
@@ -198,8 +228,9 @@ def speak(text: str, speed: int = 150) -> np.ndarray:
     with tempfile.TemporaryDirectory() as tmp:
         raw, out = Path(tmp) / "raw.wav", Path(tmp) / "out.wav"
         subprocess.run(["espeak-ng", "-s", str(speed), "-w", str(raw), text], check=True, capture_output=True)
-        subprocess.run(["sox", "-R", str(raw), "-r", str(SR), "-c", "1", "-b", "16", str(out)], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["sox", "-R", str(raw), "-r", str(SR), "-c", "1", "-b", "16", str(out)], check=True, capture_output=True
+        )
         with wave.open(str(out)) as w:
             samples = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
     voiced = np.nonzero(np.abs(samples) > 0.02 * np.abs(samples).max())[0]
@@ -232,8 +263,12 @@ def start_errors(truth: list[tuple[str, float]], words: list[tuple[str, float]])
 
 
 def summary(errors: list[float], words: int) -> dict:
-    return {"matched": len(errors), "of": words, "mean": round(float(np.mean(errors)), 3),
-            "p90": round(float(np.percentile(errors, 90)), 3)}
+    return {
+        "matched": len(errors),
+        "of": words,
+        "mean": round(float(np.mean(errors)), 3),
+        "p90": round(float(np.percentile(errors, 90)), 3),
+    }
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -249,8 +284,10 @@ SLACK_S = 0.05
 @pytest.fixture(scope="module")
 def truth_clips(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, list[tuple[str, float]]]]:
     out = tmp_path_factory.mktemp("words")
-    return [(out / f"w{i}.wav", build_clip(p, lead, out / f"w{i}.wav")) for i, (p, lead) in
-            enumerate(zip(PIECES, LEADS, strict=True))]
+    return [
+        (out / f"w{i}.wav", build_clip(p, lead, out / f"w{i}.wav"))
+        for i, (p, lead) in enumerate(zip(PIECES, LEADS, strict=True))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -266,13 +303,23 @@ def long_clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tupl
 
 def words_of(engine, wav: Path, granularities=("word",), **kwargs) -> dict:
     with wav.open("rb") as f:
-        return engine.client().audio.transcriptions.create(
-            model=engine.name, file=f, response_format="verbose_json", temperature=0.0,
-            timestamp_granularities=list(granularities), **kwargs).model_dump()
+        return (
+            engine.client()
+            .audio.transcriptions.create(
+                model=engine.name,
+                file=f,
+                response_format="verbose_json",
+                temperature=0.0,
+                timestamp_granularities=list(granularities),
+                **kwargs,
+            )
+            .model_dump()
+        )
 
 
-def compare(engine, truth_clips, fw_reference, source: str, compute_type: str = "float32",
-            language: str | None = None) -> tuple[dict, dict]:
+def compare(
+    engine, truth_clips, fw_reference, source: str, compute_type: str = "float32", language: str | None = None
+) -> tuple[dict, dict]:
     ours, ref_errors = [], []
     kwargs = {"language": language} if language else {}
     for wav, truth in truth_clips:
@@ -281,8 +328,13 @@ def compare(engine, truth_clips, fw_reference, source: str, compute_type: str = 
         assert [w["start"] for w in words] == sorted(w["start"] for w in words)
         assert all(0 <= w["start"] <= w["end"] <= answer["duration"] for w in words)
         ours += start_errors(truth, [(w["word"], w["start"]) for w in words])
-    refs = fw_reference.transcribe([wav for wav, _ in truth_clips], fw_reference.weights(source),
-                                   compute_type=compute_type, language=language, word_timestamps=True)
+    refs = fw_reference.transcribe(
+        [wav for wav, _ in truth_clips],
+        fw_reference.weights(source),
+        compute_type=compute_type,
+        language=language,
+        word_timestamps=True,
+    )
     for ref, (_, truth) in zip(refs, truth_clips, strict=True):
         ref_errors += start_errors(truth, [(w["word"], w["start"]) for s in ref["segments"] for w in s["words"]])
     n = sum(len(t) for _, t in truth_clips)
@@ -319,7 +371,8 @@ def test_granularities_choose_words(whisper_engine, truth_clips):
     assert all(w["word"].lower() in text for w in words["words"])
     with wav.open("rb") as f:  # subtitles with word granularity: still the subtitles
         srt = whisper_engine.client().audio.transcriptions.create(
-            model=whisper_engine.name, file=f, response_format="srt", timestamp_granularities=["word"])
+            model=whisper_engine.name, file=f, response_format="srt", timestamp_granularities=["word"]
+        )
     assert "-->" in srt
 
 
@@ -348,8 +401,9 @@ def test_words_need_verbose_json(whisper_engine, truth_clips, fmt):
 
     wav, _ = truth_clips[0]
     with wav.open("rb") as f, pytest.raises(openai.BadRequestError) as err:
-        whisper_engine.client().audio.transcriptions.create(model=whisper_engine.name, file=f, response_format=fmt,
-                                                            timestamp_granularities=["word"])
+        whisper_engine.client().audio.transcriptions.create(
+            model=whisper_engine.name, file=f, response_format=fmt, timestamp_granularities=["word"]
+        )
     assert err.value.body["param"] == "timestamp_granularities"
     assert whisper_engine.alive()
 
@@ -366,8 +420,7 @@ def test_base_word_starts_with_a_language_and_detected(base_engine, truth_clips,
     # Measured (AMD EPYC Zen 5, avx512_bf16, float32), the same with "en" and detected: ours mean 0.352 / p90
     # 0.463 s (23 of 24 words), faster-whisper float32 0.348 / 0.495 s (24 of 24).
     for language in ("en", None):
-        assert_close_to_reference(*compare(base_engine, truth_clips, fw_reference, "whisper-base",
-                                           language=language))
+        assert_close_to_reference(*compare(base_engine, truth_clips, fw_reference, "whisper-base", language=language))
 
 
 def test_a_model_without_alignment_heads_refuses_words(monkeypatch):
@@ -395,10 +448,10 @@ def test_a_model_without_alignment_heads_refuses_words(monkeypatch):
         return None
 
     monkeypatch.setattr(serving, "_check_model", no_error, raising=False)
-    monkeypatch.setattr(serving, "create_error_response", lambda message, **kw: {"message": message, **kw},
-                        raising=False)
+    monkeypatch.setattr(
+        serving, "create_error_response", lambda message, **kw: {"message": message, **kw}, raising=False
+    )
     for fmt, needle in (("verbose_json", "alignment_heads"), ("json", "verbose_json")):
-        request = TranscriptionRequest.model_construct(model="m", response_format=fmt,
-                                                       timestamp_granularities=["word"])
+        request = TranscriptionRequest.model_construct(model="m", response_format=fmt, timestamp_granularities=["word"])
         error = asyncio.run(serving._create_speech_to_text(b"", request, None, None, None))
         assert error["param"] == "timestamp_granularities" and needle in error["message"], error

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -50,8 +51,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(realtime.router)  # WebSocket: its own key check (Bearer or browser subprotocol)
     for router in (proxy.router, models.router):
         app.include_router(router, dependencies=API_DEPENDENCIES)
-    app.add_middleware(GatewayMiddleware, limit_bytes=limit_bytes(settings), body_timeout_s=settings.body_timeout_s,
-                       metrics=metrics)
+    app.add_middleware(
+        GatewayMiddleware, limit_bytes=limit_bytes(settings), body_timeout_s=settings.body_timeout_s, metrics=metrics
+    )
     return app
 
 
@@ -65,7 +67,8 @@ def check_exposure(settings: Settings) -> None:
         raise SystemExit(
             f"mmcpu gateway: refusing to listen on {settings.host} without MMCPU_API_KEY: anyone who reaches it "
             "could use the engines. Set MMCPU_API_KEY, listen on 127.0.0.1 (MMCPU_HOST), or set "
-            "MMCPU_ALLOW_UNAUTHENTICATED=true where only trusted clients reach this address.")
+            "MMCPU_ALLOW_UNAUTHENTICATED=true where only trusted clients reach this address."
+        )
 
 
 def main() -> None:
@@ -75,8 +78,12 @@ def main() -> None:
     # access_log off: GatewayMiddleware already writes the one line per request. On SIGTERM uvicorn closes the
     # listening socket (new connections are refused) and gives in-flight requests drain_s to finish.
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.gateway_port, access_log=False, log_config=None,
-        timeout_graceful_shutdown=settings.drain_s,
+        create_app(settings),
+        host=settings.host,
+        port=settings.gateway_port,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=math.ceil(settings.drain_s),  # uvicorn takes whole seconds
     )
 
 

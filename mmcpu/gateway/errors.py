@@ -61,8 +61,10 @@ class BodyTimeout(OpenAIError):
     def __init__(self, timeout_s: float) -> None:
         # Connection: close: the rest of the body is not waited for.
         super().__init__(
-            408, f"The request body did not arrive within {timeout_s:g} s (MMCPU_BODY_TIMEOUT_S).",
-            code="request_timeout", headers={"Connection": "close"},
+            408,
+            f"The request body did not arrive within {timeout_s:g} s (MMCPU_BODY_TIMEOUT_S).",
+            code="request_timeout",
+            headers={"Connection": "close"},
         )
 
 

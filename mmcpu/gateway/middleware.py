@@ -76,5 +76,12 @@ class GatewayMiddleware:
             engine = scope.get("state", {}).get("engine", "-")
             log.info(
                 "%s %s %s %s %.1fms in=%dB engine=%s%s",
-                client[0], scope["method"], scope["path"], code, elapsed * 1000, received, engine, failure,
+                client[0],
+                scope["method"],
+                scope["path"],
+                code,
+                elapsed * 1000,
+                received,
+                engine,
+                failure,
             )

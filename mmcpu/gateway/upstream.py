@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 from fastapi import Request
-from starlette.types import Receive, Scope, Send
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from mmcpu.config import Settings
 from mmcpu.gateway.errors import ClientGone, OpenAIError, engine_unavailable
@@ -24,8 +24,16 @@ log = logging.getLogger("mmcpu.gateway")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and the ones uvicorn writes itself are not copied from engine responses.
 _DROP_RESPONSE_HEADERS = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "date", "server",
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "date",
+    "server",
 }
 
 # How often an engine that is down is probed again in the background: routing to it resumes within this time of
@@ -69,9 +77,13 @@ class Admission:
         """A place at the engine (waiting for it in the queue); returns its release, safe to call twice."""
         if self.held >= self.limit:
             raise OpenAIError(
-                429, f"The {engine} engine is at its limit of {self.limit} requests in flight and queued "
-                "(MMCPU_ENGINE_CONCURRENCY + MMCPU_ENGINE_QUEUE): retry later", type="server_error",
-                code="engine_overloaded", headers={"Retry-After": self.retry_after})
+                429,
+                f"The {engine} engine is at its limit of {self.limit} requests in flight and queued "
+                "(MMCPU_ENGINE_CONCURRENCY + MMCPU_ENGINE_QUEUE): retry later",
+                type="server_error",
+                code="engine_overloaded",
+                headers={"Retry-After": self.retry_after},
+            )
         self.held += 1
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -79,8 +91,12 @@ class Admission:
         except TimeoutError:
             self.held -= 1
             raise OpenAIError(
-                503, f"The {engine} engine stayed busy: no place within {self.timeout_s:g} s (MMCPU_QUEUE_TIMEOUT_S)",
-                type="server_error", code="engine_busy", headers={"Retry-After": self.retry_after}) from None
+                503,
+                f"The {engine} engine stayed busy: no place within {self.timeout_s:g} s (MMCPU_QUEUE_TIMEOUT_S)",
+                type="server_error",
+                code="engine_busy",
+                headers={"Retry-After": self.retry_after},
+            ) from None
         except BaseException:
             self.held -= 1
             raise
@@ -111,21 +127,34 @@ class Upstreams:
         self.stall_s = settings.stall_s
         # trust_env=False: engine URLs are internal; an HTTP(S)_PROXY meant for the outside must not catch them.
         # Probes: a few connections of their own, so /health answers while every request place is taken.
-        self.client = httpx.AsyncClient(timeout=self.probe_timeout, trust_env=False,
-                                        limits=httpx.Limits(max_connections=4 * len(settings.engines) + 4))
+        self.client = httpx.AsyncClient(
+            timeout=self.probe_timeout,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=4 * len(settings.engines) + 4),
+        )
         concurrency = settings.engine_concurrency
         # Connecting gets a short timeout so a request for an engine that is down is answered 503 quickly; a running
         # request may take request_timeout_s between bytes. Admission holds at most `concurrency` requests per
         # engine, so the pool never makes one wait (its timeout is a backstop).
-        timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s,
-                                pool=settings.queue_timeout_s)
+        timeout = httpx.Timeout(
+            settings.request_timeout_s, connect=settings.connect_timeout_s, pool=settings.queue_timeout_s
+        )
         self.engines = {
-            name: Engine(name, url, stall=StallDetector(settings.stall_s),
-                         client=httpx.AsyncClient(timeout=timeout, trust_env=False, limits=httpx.Limits(
-                             max_connections=concurrency, max_keepalive_connections=concurrency)),
-                         admission=Admission(concurrency, settings.engine_queue, settings.queue_timeout_s,
-                                             settings.retry_after_s))
-            for name, url in settings.engines.items()}
+            name: Engine(
+                name,
+                url,
+                stall=StallDetector(settings.stall_s),
+                client=httpx.AsyncClient(
+                    timeout=timeout,
+                    trust_env=False,
+                    limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+                ),
+                admission=Admission(
+                    concurrency, settings.engine_queue, settings.queue_timeout_s, settings.retry_after_s
+                ),
+            )
+            for name, url in settings.engines.items()
+        }
 
     async def __aenter__(self) -> Upstreams:
         return self
@@ -194,12 +223,15 @@ class Upstreams:
             return
         busy = [e for e in self.engines.values() if e.up and e.stall.inflight]
         due = [e for e in busy if e.stall.counters_due()]
-        for engine, tokens in zip(due, await asyncio.gather(*(self.read_tokens(e) for e in due))):
+        for engine, tokens in zip(due, await asyncio.gather(*(self.read_tokens(e) for e in due)), strict=False):
             engine.stall.counters(tokens)
         for engine in busy:
             if engine.up and (quiet := engine.stall.stalled()) is not None:
-                self._mark(engine, False, f"hung: {engine.stall.inflight} request(s) waiting, no progress for "
-                                          f"{quiet:.0f}s (MMCPU_STALL_S)")
+                self._mark(
+                    engine,
+                    False,
+                    f"hung: {engine.stall.inflight} request(s) waiting, no progress for {quiet:.0f}s (MMCPU_STALL_S)",
+                )
                 self.metrics.upstream_errors.labels(engine.name, "stall").inc()
                 engine.stall.hang()
 
@@ -209,8 +241,9 @@ class Upstreams:
             r = await self.client.get(f"{engine.url}/v1/models", timeout=self.probe_timeout)
             r.raise_for_status()
             data = r.json()["data"]
-            if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
-                                                     for m in data):
+            if not isinstance(data, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("id"), str) for m in data
+            ):
                 raise ValueError("/v1/models 'data' is not a list of models with ids")
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self._mark(engine, False, _reason(exc))
@@ -255,8 +288,11 @@ class Upstreams:
             return engine
         if self.down():
             raise OpenAIError(
-                503, f"The model '{model}' is not served by any engine that is up; unavailable: {self.down_summary()}",
-                type="server_error", param="model", code="engine_unavailable",
+                503,
+                f"The model '{model}' is not served by any engine that is up; unavailable: {self.down_summary()}",
+                type="server_error",
+                param="model",
+                code="engine_unavailable",
             )
         raise OpenAIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
 
@@ -289,7 +325,11 @@ class Upstreams:
             raise
 
     async def _forward(
-        self, engine: Engine, request: Request, content: bytes | AsyncIterable[bytes], default_content_type: str,
+        self,
+        engine: Engine,
+        request: Request,
+        content: bytes | AsyncIterable[bytes],
+        default_content_type: str,
         release: Callable[[], None],
     ) -> StreamingResponse:
         assert engine.client is not None
@@ -309,15 +349,19 @@ class Upstreams:
             if "content-length" in request.headers:
                 headers["content-length"] = request.headers["content-length"]  # else httpx sends it chunked
         upstream = engine.client.build_request(
-            request.method, engine.url + request.url.path, params=request.query_params, headers=headers,
+            request.method,
+            engine.url + request.url.path,
+            params=request.query_params,
+            headers=headers,
             content=content,
         )
         response = await self._send_unless_hung(engine, upstream, sent, request)
         engine.stall.progressed()
         return self._respond(engine, response, release)
 
-    async def _send_unless_hung(self, engine: Engine, upstream: httpx.Request, sent: asyncio.Event,
-                                request: Request) -> httpx.Response:
+    async def _send_unless_hung(
+        self, engine: Engine, upstream: httpx.Request, sent: asyncio.Event, request: Request
+    ) -> httpx.Response:
         """client.send, given up as soon as the engine is marked hung (503) or the client goes away (the engine's
         connection is closed, so vLLM aborts the request: a non-streamed answer is not computed for nobody)."""
         assert engine.client is not None
@@ -350,8 +394,10 @@ class Upstreams:
         except httpx.TimeoutException as exc:
             self._upstream_error(engine, "timeout", exc)
             raise OpenAIError(
-                504, f"The {engine.name} engine did not answer in time ({_reason(exc)}); see MMCPU_REQUEST_TIMEOUT_S",
-                type="server_error", code="engine_timeout",
+                504,
+                f"The {engine.name} engine did not answer in time ({_reason(exc)}); see MMCPU_REQUEST_TIMEOUT_S",
+                type="server_error",
+                code="engine_timeout",
             ) from exc
         except httpx.TransportError as exc:
             self._upstream_error(engine, "transport", exc)
@@ -378,8 +424,12 @@ class Upstreams:
                     gone.cancel()
                 if hung.done():
                     return "hung"
-                if gone.done() and not gone.cancelled() and gone.exception() is None and \
-                        gone.result().get("type") == "http.disconnect":
+                if (
+                    gone.done()
+                    and not gone.cancelled()
+                    and gone.exception() is None
+                    and gone.result().get("type") == "http.disconnect"
+                ):
                     return "gone"
                 await hung  # any other message: only a hang ends the wait now
                 return "hung"
@@ -393,11 +443,17 @@ class Upstreams:
             self.metrics.upstream_errors.labels(engine.name, "http_5xx").inc()
         passed = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
 
-        return _EngineResponse(self._relay(engine, response, release), status_code=response.status_code,
-                               headers=passed, upstream=response, release=release)
+        return _EngineResponse(
+            self._relay(engine, response, release),
+            status_code=response.status_code,
+            headers=passed,
+            upstream=response,
+            release=release,
+        )
 
-    async def _relay(self, engine: Engine, response: httpx.Response, release: Callable[[], None]
-                     ) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, engine: Engine, response: httpx.Response, release: Callable[[], None]
+    ) -> AsyncIterator[bytes]:
         # aiter_raw yields each chunk as it comes off the socket: SSE events are not held back.
         try:
             async for chunk in response.aiter_raw():
@@ -426,8 +482,15 @@ class _EngineResponse(StreamingResponse):
     """The engine's answer streamed on; however it ends (done, client gone, cancelled, never iterated), the engine
     place is given back and the engine connection closed."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, status_code: int, headers: dict[str, str],
-                 upstream: httpx.Response, release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        status_code: int,
+        headers: dict[str, str],
+        upstream: httpx.Response,
+        release: Callable[[], None],
+    ) -> None:
         super().__init__(content, status_code=status_code, headers=headers)
         self.upstream, self.release = upstream, release
 

@@ -24,8 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.parse_args(argv)
     if "vllm" in sys.modules or "triton" in sys.modules:
         if os.environ.get("TRITON_INTERPRET") != "1":
-            print("mmcpu.kernels check: vLLM / triton were imported before TRITON_INTERPRET=1 was set",
-                  file=sys.stderr)
+            print("mmcpu.kernels check: vLLM / triton were imported before TRITON_INTERPRET=1 was set", file=sys.stderr)
             return 2
     # Kernels as the engine sees them (Triton's interpreter objects: patches/0004); vLLM's log lines off stdout,
     # which carries only the problem lines (mmcpu.launch.preflight reads them).
@@ -41,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
             print(problem.line(), flush=True)
         if plugin:
             return 2
-        print("mmcpu.kernels check: MMCPU_KERNELS=interpreter: every MRV2 kernel runs in Triton's interpreter, no "
-              "native version checked (the plugin's entry point is registered)", file=sys.stderr)
+        print(
+            "mmcpu.kernels check: MMCPU_KERNELS=interpreter: every MRV2 kernel runs in Triton's interpreter, no "
+            "native version checked (the plugin's entry point is registered)",
+            file=sys.stderr,
+        )
         return 0
     try:
         result = check.run()
@@ -58,12 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         print(problem.line(), flush=True)
     where = f"vLLM at {vdir}" + ("" if stamped or plugin else " (result not stamped: read-only)")
     if problems:
-        print(f"mmcpu.kernels check: {len(problems)} problem(s) for {where}; MRV2 kernels a request can reach must "
-              f"have a native version (mmcpu/kernels) whose guard matches, installed by mmcpu's vLLM plugin",
-              file=sys.stderr)
+        print(
+            f"mmcpu.kernels check: {len(problems)} problem(s) for {where}; MRV2 kernels a request can reach must "
+            f"have a native version (mmcpu/kernels) whose guard matches, installed by mmcpu's vLLM plugin",
+            file=sys.stderr,
+        )
         return 2
-    print(f"mmcpu.kernels check: all {result.reachable} reachable MRV2 kernels have a matching native version "
-          f"({where})", file=sys.stderr)
+    print(
+        f"mmcpu.kernels check: all {result.reachable} reachable MRV2 kernels have a matching native version ({where})",
+        file=sys.stderr,
+    )
     return 0
 
 

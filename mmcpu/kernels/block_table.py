@@ -10,14 +10,26 @@ import numpy as np
 import torch
 
 from mmcpu.kernels.buffer_utils import flat, segments, tdiv
-from mmcpu.kernels.ptr import array as table
 from mmcpu.kernels.dispatch import native
+from mmcpu.kernels.ptr import array as table
 
 
-@native("vllm.v1.worker.gpu.block_table", "_gather_block_tables_kernel",
-        sha256="fdab24bafcf37be5a9febf288e24efdac9a5abf18f992b76508bc7b52eddac94")
-def _gather_block_tables_kernel(grid, batch_idx_to_req_idx, src_block_table_ptrs, dst_block_table_ptrs,
-                                block_table_strides, num_blocks_ptr, num_blocks_stride, num_reqs, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.block_table",
+    "_gather_block_tables_kernel",
+    sha256="fdab24bafcf37be5a9febf288e24efdac9a5abf18f992b76508bc7b52eddac94",
+)
+def _gather_block_tables_kernel(
+    grid,
+    batch_idx_to_req_idx,
+    src_block_table_ptrs,
+    dst_block_table_ptrs,
+    block_table_strides,
+    num_blocks_ptr,
+    num_blocks_stride,
+    num_reqs,
+    BLOCK_SIZE,
+):
     # Program (g, b): dst_g[b, :num_blocks[g, req]] = src_g[req, :num_blocks[g, req]] for req = idx[b];
     # rows b >= num_reqs of the padded grid are zeroed over the whole row (stride = max_num_blocks).
     num_groups, num_padded = grid[0], grid[1]
@@ -39,21 +51,39 @@ def _gather_block_tables_kernel(grid, batch_idx_to_req_idx, src_block_table_ptrs
             seg, within = segments(lens)
             dst[seg * stride + within] = src[src_start[seg] + within]
         # Padded programs run after the real ones (higher program id), so their zeros win any overlap.
-        dst[n * stride:num_padded * stride] = 0
+        dst[n * stride : num_padded * stride] = 0
 
 
-@native("vllm.v1.worker.gpu.block_table", "_compute_slot_mappings_kernel",
-        sha256="71e2f8ce757c54aa44508718efa7cb2a08ec81d2b8dfba46f26af7c66de10d74")
-def _compute_slot_mappings_kernel(grid, max_num_tokens, idx_mapping, query_start_loc, pos, block_table_ptrs,
-                                  block_table_strides, block_sizes, slot_mapping_enabled, dcp_sharded,
-                                  slot_mappings_ptr, slot_mappings_stride, cp_rank, CP_SIZE, CP_INTERLEAVE, PAD_ID,
-                                  TRITON_BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.block_table",
+    "_compute_slot_mappings_kernel",
+    sha256="71e2f8ce757c54aa44508718efa7cb2a08ec81d2b8dfba46f26af7c66de10d74",
+)
+def _compute_slot_mappings_kernel(
+    grid,
+    max_num_tokens,
+    idx_mapping,
+    query_start_loc,
+    pos,
+    block_table_ptrs,
+    block_table_strides,
+    block_sizes,
+    slot_mapping_enabled,
+    dcp_sharded,
+    slot_mappings_ptr,
+    slot_mappings_stride,
+    cp_rank,
+    CP_SIZE,
+    CP_INTERLEAVE,
+    PAD_ID,
+    TRITON_BLOCK_SIZE,
+):
     # Program (g, b < num_reqs): slot of each token in [qsl[b], qsl[b+1]) from its position and req's block
     # table; PAD_ID for a dummy request (idx_mapping < 0), a group without slot mapping, or (context
     # parallelism) a token another rank holds. The last program (b == num_reqs) pads
     # slot_mappings[g, qsl[num_reqs]:max_num_tokens] with PAD_ID.
     num_groups, n = grid[0], grid[1] - 1
-    qsl = flat(query_start_loc)[:n + 1].astype(np.int64)
+    qsl = flat(query_start_loc)[: n + 1].astype(np.int64)
     starts = qsl[:n]
     lens = np.maximum(qsl[1:] - starts, 0)
     seg, within = segments(lens)
@@ -77,8 +107,11 @@ def _compute_slot_mappings_kernel(grid, max_num_tokens, idx_mapping, query_start
                 span = block_size * np.int32(CP_SIZE)
                 v_off = np.fmod(positions, span)
                 is_local = np.fmod(tdiv(v_off, CP_INTERLEAVE), CP_SIZE) == cp_rank
-                local = (tdiv(positions, span) * block_size
-                         + tdiv(v_off, CP_INTERLEAVE * CP_SIZE) * CP_INTERLEAVE + np.fmod(v_off, CP_INTERLEAVE))
+                local = (
+                    tdiv(positions, span) * block_size
+                    + tdiv(v_off, CP_INTERLEAVE * CP_SIZE) * CP_INTERLEAVE
+                    + np.fmod(v_off, CP_INTERLEAVE)
+                )
             block_off = np.fmod(local, block_size)
             if bool(enabled[g]):
                 load = is_local & real
@@ -92,4 +125,4 @@ def _compute_slot_mappings_kernel(grid, max_num_tokens, idx_mapping, query_start
                 out[row + offs] = PAD_ID
         # The padding program has the highest program id of its group: it runs after the real ones.
         if pad_from < max_num_tokens:
-            out[row + max(pad_from, 0):row + max_num_tokens] = PAD_ID
+            out[row + max(pad_from, 0) : row + max_num_tokens] = PAD_ID

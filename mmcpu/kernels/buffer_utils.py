@@ -48,22 +48,34 @@ def _overlap(base: np.ndarray, lens: np.ndarray) -> bool:
     return bool((e[order][:-1] > b[order][1:]).any())
 
 
-def _copy_ranges(out: np.ndarray, base: np.ndarray, contents: np.ndarray, src: np.ndarray,
-                 lens: np.ndarray) -> None:
+def _copy_ranges(out: np.ndarray, base: np.ndarray, contents: np.ndarray, src: np.ndarray, lens: np.ndarray) -> None:
     # Program i copies contents[src[i] : src[i] + lens[i]] to out[base[i] : ...].
     if _overlap(base, lens):
         # Programs run in order, so a later write wins; a fancy-index store would not promise that.
-        for b, s, n in zip(base.tolist(), src.tolist(), lens.tolist()):
-            out[b:b + n] = contents[s:s + n]
+        for b, s, n in zip(base.tolist(), src.tolist(), lens.tolist(), strict=False):
+            out[b : b + n] = contents[s : s + n]
         return
     seg, within = segments(lens)
     out[base[seg] + within] = contents[src[seg] + within]
 
 
-@native("vllm.v1.worker.gpu.buffer_utils", "_apply_write_kernel",
-        sha256="7ead8dc875acc47c2c39d652856ebe7771f4ce2e2de3b1e1e5eb07cdbc4f8f59")
-def _apply_write_kernel(grid, output_ptr, output_stride, write_indices_ptr, write_starts_ptr, write_contents_ptr,
-                        write_cu_lens_ptr, write_group_ids_ptr, BLOCK_SIZE, MULTI_GROUP):
+@native(
+    "vllm.v1.worker.gpu.buffer_utils",
+    "_apply_write_kernel",
+    sha256="7ead8dc875acc47c2c39d652856ebe7771f4ce2e2de3b1e1e5eb07cdbc4f8f59",
+)
+def _apply_write_kernel(
+    grid,
+    output_ptr,
+    output_stride,
+    write_indices_ptr,
+    write_starts_ptr,
+    write_contents_ptr,
+    write_cu_lens_ptr,
+    write_group_ids_ptr,
+    BLOCK_SIZE,
+    MULTI_GROUP,
+):
     # Program pid copies contents[cu_lens[pid-1] : cu_lens[pid]] to row indices[pid] at column starts[pid]
     # (flat: row * stride + start, so a long write runs on into the next row, as the kernel's does).
     n = grid[0]
@@ -79,8 +91,7 @@ def _apply_write_kernel(grid, output_ptr, output_stride, write_indices_ptr, writ
     contents = flat(write_contents_ptr)
     if not MULTI_GROUP:
         out = flat(output_ptr)
-        _copy_ranges(out, rows * int(output_stride) + starts, contents.astype(out.dtype, copy=False),
-                     cu_start, lens)
+        _copy_ranges(out, rows * int(output_stride) + starts, contents.astype(out.dtype, copy=False), cu_start, lens)
         return
     # Fused path: each write names its KV-cache group; the group's int32 table is reached through a pointer.
     gids = flat(write_group_ids_ptr)[:n].astype(np.int64)

@@ -9,7 +9,8 @@
   reach it, and nobody has written or checked a native version for it.
 
 ``python -m mmcpu.kernels check`` prints one line per problem and exits 2 (the image build runs it,
-docker/Dockerfile); it also fails when mmcpu's vLLM plugin entry point is not registered (:func:`plugin_problems`). The engine's start (:func:`mmcpu.launch.preflight`) runs the same check through
+docker/Dockerfile); it also fails when mmcpu's vLLM plugin entry point is not registered (:func:`plugin_problems`). The
+engine's start (:func:`mmcpu.launch.preflight`) runs the same check through
 :func:`cached`: importing vLLM's kernel modules costs ~10 s of CPU, so a run's result is kept in a stamp beside
 the vLLM it checked (``vllm/.mmcpu-kernels-check.json``, like the patch tool's record) under a fingerprint of
 every file the result depends on (vLLM's kernel modules and the files the guards read, mmcpu's kernels); a
@@ -68,13 +69,20 @@ def run() -> Result:
 
     kernels = reachability.installed_kernels()
     if not kernels:
-        raise CheckError("no @triton.jit kernels found in vLLM's MRV2 modules: TRITON_INTERPRET=1 must be set "
-                         "before vLLM is imported, and vLLM must carry patches/0004")
+        raise CheckError(
+            "no @triton.jit kernels found in vLLM's MRV2 modules: TRITON_INTERPRET=1 must be set "
+            "before vLLM is imported, and vLLM must carry patches/0004"
+        )
     dispatch.load_native_modules()
     problems, files = [], set()
     for key in sorted(set(kernels) - set(reachability.KERNELS)):
-        problems.append(Problem(key, "not classified in mmcpu/kernels/reachability.py (new in this vLLM?): a "
-                                     "request may reach it and no native version was checked against it"))
+        problems.append(
+            Problem(
+                key,
+                "not classified in mmcpu/kernels/reachability.py (new in this vLLM?): a "
+                "request may reach it and no native version was checked against it",
+            )
+        )
     checked = 0
     for key in reachability.reachable():
         kernel = kernels.get(key)
@@ -99,8 +107,13 @@ def plugin_problems() -> list[Problem]:
     found = [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "mmcpu"]
     if found == ["mmcpu.plugin:register"]:
         return []
-    return [Problem("mmcpu.plugin:register", f"vllm.general_plugins entry point 'mmcpu' is {found or 'missing'}: "
-                                             "vLLM would not install the native kernels (pip install mmcpu)")]
+    return [
+        Problem(
+            "mmcpu.plugin:register",
+            f"vllm.general_plugins entry point 'mmcpu' is {found or 'missing'}: "
+            "vLLM would not install the native kernels (pip install mmcpu)",
+        )
+    ]
 
 
 def fingerprint(vdir: Path, extra_files: list[str]) -> str:
@@ -126,8 +139,14 @@ def stamp_path(vdir: Path) -> Path:
 
 def write_stamp(vdir: Path, result: Result) -> bool:
     """Keep ``result`` for later starts; False when the vLLM dir is not writable (a non-root container)."""
-    data = {"version": 1, "fingerprint": fingerprint(vdir, result.files), "files": result.files,
-            "problems": [p.line() for p in result.problems], "reachable": result.reachable, "time": time.time()}
+    data = {
+        "version": 1,
+        "fingerprint": fingerprint(vdir, result.files),
+        "files": result.files,
+        "problems": [p.line() for p in result.problems],
+        "reachable": result.reachable,
+        "time": time.time(),
+    }
     path = stamp_path(vdir)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:

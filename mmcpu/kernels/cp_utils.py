@@ -7,10 +7,14 @@ import torch
 from mmcpu.kernels.dispatch import native
 
 
-@native("vllm.v1.worker.gpu.cp_utils", "_dcp_local_seq_lens_kernel",
-        sha256="06411f83f96e795b9ef16a74ec3cdc60dac6a715b35e08600070ddc0a2ad659f")
-def _dcp_local_seq_lens_kernel(grid, out_ptr, seq_lens_ptr, dcp_size, dcp_rank, cp_interleave, num_reqs,
-                               max_num_reqs, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.cp_utils",
+    "_dcp_local_seq_lens_kernel",
+    sha256="06411f83f96e795b9ef16a74ec3cdc60dac6a715b35e08600070ddc0a2ad659f",
+)
+def _dcp_local_seq_lens_kernel(
+    grid, out_ptr, seq_lens_ptr, dcp_size, dcp_rank, cp_interleave, num_reqs, max_num_reqs, BLOCK_SIZE
+):
     # Programs cover [0, grid * BLOCK_SIZE) ∩ [0, max_num_reqs): this rank's share of each request's round-robin
     # (interleave-sized) KV slices; 0 past num_reqs.
     end = min(grid[0] * BLOCK_SIZE, max_num_reqs)

@@ -70,7 +70,9 @@ NATIVE_MODULES = (
 )
 
 # Launch options Triton accepts beside the kernel's own arguments; never part of a kernel's signature.
-LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid"})
+LAUNCH_OPTIONS = frozenset(
+    {"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid"}
+)
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,13 @@ class Stats:
 
     def snapshot(self) -> dict[str, Any]:
         # dict(Counter) is one C-level copy under the GIL: safe against the launch path's increments.
-        return {"pid": os.getpid(), "time": time.time(), "mode": _mode,
-                "native": dict(self.native), "interpreted": dict(self.interpreter)}
+        return {
+            "pid": os.getpid(),
+            "time": time.time(),
+            "mode": _mode,
+            "native": dict(self.native),
+            "interpreted": dict(self.interpreter),
+        }
 
 
 def write_snapshot(path: Path) -> None:
@@ -248,7 +255,7 @@ def _decide(kernel: Any) -> NativeKernel | None:
 
 def run_native(entry: NativeKernel, arg_names: list[str], grid: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     """Call ``entry.impl`` with a launch's arguments (positional + keyword, launch options dropped)."""
-    call = dict(zip(arg_names, args))
+    call = dict(zip(arg_names, args, strict=False))
     for key, value in kwargs.items():
         if key not in LAUNCH_OPTIONS:
             call[key] = value
@@ -301,8 +308,13 @@ def install(mode: str = "native", stats_path: Path | None = None) -> bool:
         InterpretedFunction.run = _run
     from mmcpu import cpu
 
-    logger.info("MRV2 Triton kernels: MMCPU_KERNELS=%s (%d native implementations); CPU: %s; vLLM ops: %s",
-                mode, len(REGISTRY), cpu.current().line(), ", ".join(cpu.loaded_vllm_c()) or "not loaded yet")
+    logger.info(
+        "MRV2 Triton kernels: MMCPU_KERNELS=%s (%d native implementations); CPU: %s; vLLM ops: %s",
+        mode,
+        len(REGISTRY),
+        cpu.current().line(),
+        ", ".join(cpu.loaded_vllm_c()) or "not loaded yet",
+    )
     if stats_path is not None and _writer is None:
         _writer = StatsWriter(Path(stats_path))
         _writer.start()

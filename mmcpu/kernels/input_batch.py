@@ -17,12 +17,26 @@ def _i64(t, n: int) -> np.ndarray:
     return flat(t)[:n].astype(np.int64)
 
 
-@native("vllm.v1.worker.gpu.input_batch", "_prepare_prefill_inputs_kernel",
-        sha256="96d1b0d0dffd63d4c564addcfecb5ada2d7835edad2256c31258f8db1d3d6509")
-def _prepare_prefill_inputs_kernel(grid, input_ids_ptr, next_prefill_tokens_ptr, next_prefill_tokens_stride,
-                                   num_lookahead, idx_mapping_ptr, query_start_loc_ptr, all_token_ids_ptr,
-                                   all_token_ids_stride, prefill_lens_ptr, num_computed_tokens_ptr, BLOCK_SIZE,
-                                   LOOKAHEAD_BLOCK):
+@native(
+    "vllm.v1.worker.gpu.input_batch",
+    "_prepare_prefill_inputs_kernel",
+    sha256="96d1b0d0dffd63d4c564addcfecb5ada2d7835edad2256c31258f8db1d3d6509",
+)
+def _prepare_prefill_inputs_kernel(
+    grid,
+    input_ids_ptr,
+    next_prefill_tokens_ptr,
+    next_prefill_tokens_stride,
+    num_lookahead,
+    idx_mapping_ptr,
+    query_start_loc_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    prefill_lens_ptr,
+    num_computed_tokens_ptr,
+    BLOCK_SIZE,
+    LOOKAHEAD_BLOCK,
+):
     # Requests still in prefill copy their next query_len prompt tokens into input_ids, and keep the
     # num_lookahead tokens after them (the next chunk's first ones; 0 past the prompt's end) in
     # next_prefill_tokens[l, req].
@@ -53,16 +67,20 @@ def _prepare_prefill_inputs_kernel(grid, input_ids_ptr, next_prefill_tokens_ptr,
     flat(next_prefill_tokens_ptr)[look * int(next_prefill_tokens_stride) + req[b][:, None]] = values
 
 
-@native("vllm.v1.worker.gpu.input_batch", "_prepare_pos_seq_lens_kernel",
-        sha256="33c07567a9fe63e1744b02482a33d24fcf9a80983cbf3797a33410ef7192487a")
-def _prepare_pos_seq_lens_kernel(grid, pos_ptr, seq_lens_ptr, idx_mapping_ptr, query_start_loc_ptr,
-                                 num_computed_tokens_ptr, max_num_reqs, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.input_batch",
+    "_prepare_pos_seq_lens_kernel",
+    sha256="33c07567a9fe63e1744b02482a33d24fcf9a80983cbf3797a33410ef7192487a",
+)
+def _prepare_pos_seq_lens_kernel(
+    grid, pos_ptr, seq_lens_ptr, idx_mapping_ptr, query_start_loc_ptr, num_computed_tokens_ptr, max_num_reqs, BLOCK_SIZE
+):
     # Program b < num_reqs: seq_lens[b] = computed + query_len, positions computed + [0, query_len).
     # The extra last program (the grid is num_reqs + 1) zeroes seq_lens[num_reqs:max_num_reqs].
     n = grid[0] - 1
     req = _i64(idx_mapping_ptr, n)
     computed = flat(num_computed_tokens_ptr)[req]  # int32, as the kernel adds
-    qsl = flat(query_start_loc_ptr)[:n + 1]
+    qsl = flat(query_start_loc_ptr)[: n + 1]
     query_len = qsl[1:] - qsl[:-1]
     seq_lens = flat(seq_lens_ptr)
     seq_lens[:n] = computed + query_len
@@ -72,12 +90,26 @@ def _prepare_pos_seq_lens_kernel(grid, pos_ptr, seq_lens_ptr, idx_mapping_ptr, q
         seq_lens[n:max_num_reqs] = 0
 
 
-@native("vllm.v1.worker.gpu.input_batch", "_combine_sampled_and_draft_tokens_kernel",
-        sha256="c02435e0be07b2faaf3470fdc5bb3da56fe3feeb84a6754edabeb8a4a9c9ffb5")
-def _combine_sampled_and_draft_tokens_kernel(grid, input_ids_ptr, idx_mapping_ptr, last_sampled_tokens_ptr,
-                                             query_start_loc_ptr, seq_lens_ptr, prefill_len_ptr, draft_tokens_ptr,
-                                             draft_tokens_stride, cu_num_logits_ptr, logits_indices_ptr,
-                                             BLOCK_SIZE, NUM_NEW_SAMPLED_TOKENS=1):
+@native(
+    "vllm.v1.worker.gpu.input_batch",
+    "_combine_sampled_and_draft_tokens_kernel",
+    sha256="c02435e0be07b2faaf3470fdc5bb3da56fe3feeb84a6754edabeb8a4a9c9ffb5",
+)
+def _combine_sampled_and_draft_tokens_kernel(
+    grid,
+    input_ids_ptr,
+    idx_mapping_ptr,
+    last_sampled_tokens_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    prefill_len_ptr,
+    draft_tokens_ptr,
+    draft_tokens_stride,
+    cu_num_logits_ptr,
+    logits_indices_ptr,
+    BLOCK_SIZE,
+    NUM_NEW_SAMPLED_TOKENS=1,
+):
     # Per request: its logits are the last num_logits query tokens (logits_indices, at most BLOCK_SIZE of
     # them); a decoding request's input_ids take the last sampled token, then its draft tokens.
     n = grid[0]
@@ -106,10 +138,14 @@ def _combine_sampled_and_draft_tokens_kernel(grid, input_ids_ptr, idx_mapping_pt
         input_ids[(query_end - num_draft)[seg] + within] = drafts
 
 
-@native("vllm.v1.worker.gpu.input_batch", "_get_num_sampled_and_rejected_kernel",
-        sha256="17bfac5e1599de85b571ef87ebf3f903ff0059666bc126ec69a0fb0a93ce3880")
-def _get_num_sampled_and_rejected_kernel(grid, num_sampled_ptr, num_rejected_ptr, seq_lens_ptr, cu_num_logits_ptr,
-                                         idx_mapping_ptr, prefill_len_ptr):
+@native(
+    "vllm.v1.worker.gpu.input_batch",
+    "_get_num_sampled_and_rejected_kernel",
+    sha256="17bfac5e1599de85b571ef87ebf3f903ff0059666bc126ec69a0fb0a93ce3880",
+)
+def _get_num_sampled_and_rejected_kernel(
+    grid, num_sampled_ptr, num_rejected_ptr, seq_lens_ptr, cu_num_logits_ptr, idx_mapping_ptr, prefill_len_ptr
+):
     # Chunked-prefill requests (seq_len < prefill_len) sample and reject nothing; others reject the logits
     # they did not sample. Both outputs written for every request.
     n = grid[0]
@@ -117,18 +153,33 @@ def _get_num_sampled_and_rejected_kernel(grid, num_sampled_ptr, num_rejected_ptr
     chunked = flat(seq_lens_ptr)[:n] < flat(prefill_len_ptr)[req]
     num_sampled = flat(num_sampled_ptr)
     sampled = np.where(chunked, 0, num_sampled[:n]).astype(num_sampled.dtype)
-    cu = flat(cu_num_logits_ptr)[:n + 1]
+    cu = flat(cu_num_logits_ptr)[: n + 1]
     rejected = np.where(chunked, 0, (cu[1:] - cu[:-1]) - sampled)
     num_sampled[:n] = sampled
     flat(num_rejected_ptr)[:n] = rejected
 
 
-@native("vllm.v1.worker.gpu.input_batch", "_post_update_kernel",
-        sha256="1f8738a0c9e9928a4759df1b42a864d353daf89966051cc8abd96742fc99d4ec")
-def _post_update_kernel(grid, idx_mapping_ptr, num_computed_tokens_ptr, last_sampled_tokens_ptr,
-                        output_bin_counts_ptr, output_bin_counts_stride, sampled_tokens_ptr, sampled_tokens_stride,
-                        num_sampled_ptr, num_rejected_ptr, query_start_loc_ptr, all_token_ids_ptr,
-                        all_token_ids_stride, total_len_ptr):
+@native(
+    "vllm.v1.worker.gpu.input_batch",
+    "_post_update_kernel",
+    sha256="1f8738a0c9e9928a4759df1b42a864d353daf89966051cc8abd96742fc99d4ec",
+)
+def _post_update_kernel(
+    grid,
+    idx_mapping_ptr,
+    num_computed_tokens_ptr,
+    last_sampled_tokens_ptr,
+    output_bin_counts_ptr,
+    output_bin_counts_stride,
+    sampled_tokens_ptr,
+    sampled_tokens_stride,
+    num_sampled_ptr,
+    num_rejected_ptr,
+    query_start_loc_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    total_len_ptr,
+):
     # Per request (idx < 0: skipped): append its num_sampled tokens to all_token_ids at total_len, count them
     # in output_bin_counts, remember the last one, grow total_len; then advance num_computed_tokens by
     # query_len - num_rejected.
@@ -154,8 +205,7 @@ def _post_update_kernel(grid, idx_mapping_ptr, num_computed_tokens_ptr, last_sam
         if output_bin_counts_ptr is not None:
             # add.at: a token sampled twice (speculative decoding) counts twice, like the kernel's loop.
             bins = flat(output_bin_counts_ptr)
-            np.add.at(bins, req[seg] * int(output_bin_counts_stride) + tokens.astype(np.int64),
-                      np.ones(1, bins.dtype))
+            np.add.at(bins, req[seg] * int(output_bin_counts_stride) + tokens.astype(np.int64), np.ones(1, bins.dtype))
 
     if query_start_loc_ptr is None:
         query_len = np.zeros(batch.size, np.int32)
@@ -168,19 +218,26 @@ def _post_update_kernel(grid, idx_mapping_ptr, num_computed_tokens_ptr, last_sam
         np.add.at(flat(num_computed_tokens_ptr), req[moved], delta[moved])
 
 
-@native("vllm.v1.worker.gpu.input_batch", "_post_update_num_computed_tokens_kernel",
-        sha256="b268224427020033c4014e6b4264131bd7f65e57dfffb392ec5f1a5a1bb134f9")
+@native(
+    "vllm.v1.worker.gpu.input_batch",
+    "_post_update_num_computed_tokens_kernel",
+    sha256="b268224427020033c4014e6b4264131bd7f65e57dfffb392ec5f1a5a1bb134f9",
+)
 def _post_update_num_computed_tokens_kernel(grid, idx_mapping_ptr, num_computed_tokens_ptr, query_start_loc_ptr):
     # num_computed_tokens[idx[b]] += query_len[b]; add.at keeps the kernel's sequential sum for repeated idx.
     n = grid[0]
-    qsl = flat(query_start_loc_ptr)[:n + 1]
+    qsl = flat(query_start_loc_ptr)[: n + 1]
     np.add.at(flat(num_computed_tokens_ptr), _i64(idx_mapping_ptr, n), qsl[1:] - qsl[:-1])
 
 
-@native("vllm.v1.worker.gpu.input_batch", "_expand_idx_mapping_kernel",
-        sha256="7636f8d252d474bfcf2063d5d0909093055e6e73fffc3d910ac30c4d138caff4")
-def _expand_idx_mapping_kernel(grid, idx_mapping_ptr, expanded_idx_mapping_ptr, expanded_local_pos_ptr,
-                               cu_num_logits_ptr, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.input_batch",
+    "_expand_idx_mapping_kernel",
+    sha256="7636f8d252d474bfcf2063d5d0909093055e6e73fffc3d910ac30c4d138caff4",
+)
+def _expand_idx_mapping_kernel(
+    grid, idx_mapping_ptr, expanded_idx_mapping_ptr, expanded_local_pos_ptr, cu_num_logits_ptr, BLOCK_SIZE
+):
     # Request b's logits [cu[b], cu[b+1]) (at most BLOCK_SIZE) get its state index and their local position.
     n = grid[0]
     cu = _i64(cu_num_logits_ptr, n + 1)

@@ -54,9 +54,10 @@ KERNELS: dict[str, str] = {
     # check_attention_cp_compatibility() (GPUModelRunner.initialize_kv_cache) asserts that every attention impl
     # returns the softmax LSE for DCP: CPU_ATTN, the only CPU attention backend (MLA raises on CPU), does not.
     f"{_G}.cp_utils:cp_local_slot": "helper",  # dflash's speculator kernels
-    f"{_G}.cp_utils:_dcp_local_seq_lens_kernel":
+    f"{_G}.cp_utils:_dcp_local_seq_lens_kernel": (
         "unreachable: decode context parallelism (dcp > 1) is rejected at startup on CPU: CPU_ATTN does not "
-        "return the softmax LSE (check_attention_cp_compatibility)",
+        "return the softmax LSE (check_attention_cp_compatibility)"
+    ),
     # metrics/logits.py: Sampler / RejectionSampler with VLLM_COMPUTE_NANS_IN_LOGITS=1.
     f"{_G}.metrics.logits:_num_nans_kernel": "native",
     # mm/rope.py: DefaultModelState.prepare_inputs every step for M-RoPE / XD-RoPE models (Qwen2-VL-style).
@@ -116,10 +117,12 @@ KERNELS: dict[str, str] = {
     # watermark.py (a watermark_config): philox_gumbel_sample runs only for logits.device.type == "cuda"
     # (vllm/v1/watermarking/gumbel.py; its warmup only on CUDA-alike platforms), and repeated_context_mask takes a
     # torch path when all_token_ids is on the CPU (_repeated_context_mask_cpu), never the kernel.
-    f"{_G}.sample.watermark:_philox_gumbel_kernel":
-        "unreachable: CUDA only (watermarking calls philox_gumbel_sample only for CUDA logits)",
-    f"{_G}.sample.watermark:_repeated_context_mask_kernel":
-        "unreachable: repeated_context_mask computes on CPU tensors without it (_repeated_context_mask_cpu)",
+    f"{_G}.sample.watermark:_philox_gumbel_kernel": (
+        "unreachable: CUDA only (watermarking calls philox_gumbel_sample only for CUDA logits)"
+    ),
+    f"{_G}.sample.watermark:_repeated_context_mask_kernel": (
+        "unreachable: repeated_context_mask computes on CPU tensors without it (_repeated_context_mask_cpu)"
+    ),
     f"{_G}.sample.watermark:_mulhilo32": "helper",  # the watermark's Philox (_philox_gumbel_kernel)
     f"{_G}.sample.watermark:_philox4x32_10": "helper",
     f"{_G}.sample.watermark:_philox_context_state": "helper",

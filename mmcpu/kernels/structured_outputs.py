@@ -10,18 +10,35 @@ from mmcpu.kernels.dispatch import native
 
 def _rows(t: torch.Tensor, stride: int, ncols: int) -> torch.Tensor:
     """``t`` addressed as ``ptr + row * stride + col`` (col < ncols): a writable 2-D view."""
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=False))
     return t.as_strided(((span - ncols) // stride + 1, ncols), (stride, 1))
 
 
-_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-           torch.float64: torch.int64}
+_INT_OF = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float64: torch.int64,
+}
 
 
-@native("vllm.v1.worker.gpu.structured_outputs", "_apply_grammar_bitmask_kernel",
-        sha256="1d93a33523d5a05f375198d30cdd0fd000ecab15f0fb6f864f50163f68b042fb")
-def _apply_grammar_bitmask_kernel(grid, logits_ptr, logits_stride, logits_indices_ptr, cu_num_logits_ptr,
-                                  bitmask_ptr, bitmask_stride, vocab_size, MASK_STRIDE, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.structured_outputs",
+    "_apply_grammar_bitmask_kernel",
+    sha256="1d93a33523d5a05f375198d30cdd0fd000ecab15f0fb6f864f50163f68b042fb",
+)
+def _apply_grammar_bitmask_kernel(
+    grid,
+    logits_ptr,
+    logits_stride,
+    logits_indices_ptr,
+    cu_num_logits_ptr,
+    bitmask_ptr,
+    bitmask_stride,
+    vocab_size,
+    MASK_STRIDE,
+    BLOCK_SIZE,
+):
     # Mask i is keyed (request, position) = divmod(logits_indices[i], MASK_STRIDE); it applies to logits row
     # cu_num_logits[request] + position, and only if that position is within the request's logits.
     num_masks = grid[0]

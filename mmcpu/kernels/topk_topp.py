@@ -35,7 +35,7 @@ def _u32_of_f32(v: np.ndarray) -> np.ndarray:
 def _i32_of_f32(v: np.ndarray) -> np.ndarray:
     """fp32 -> int32 as the interpreter casts a scalar: out of range or NaN gives INT32_MIN."""
     v64 = v.astype(np.float64)
-    ok = np.isfinite(v64) & (v64 > -2.0**31 - 1) & (v64 < 2.0**31)
+    ok = np.isfinite(v64) & (v64 > -(2.0**31) - 1) & (v64 < 2.0**31)
     return np.where(ok, np.trunc(np.where(ok, v64, 0.0)), -(2.0**31)).astype(np.int64)
 
 
@@ -125,7 +125,7 @@ class _Layout:
             d = flat[row]
             idx = np.flatnonzero((d > v[i]) & ((d - m[i]) < _DELTA))  # index order, so tiles ascend
             if idx.size > _WINDOW:  # many: the literal tile pass
-                c[i] = _min_larger(self.d3[row:row + 1], self.d3[row:row + 1] > v[i], self.S)[1][0]
+                c[i] = _min_larger(self.d3[row : row + 1], self.d3[row : row + 1] > v[i], self.S)[1][0]
                 continue
             e, tiles = d[idx], idx // self.ts
             starts = np.flatnonzero(np.r_[True, tiles[1:] != tiles[:-1]])
@@ -210,10 +210,10 @@ def _search_p(lay: _Layout, p: np.ndarray, lo: np.ndarray, hi: np.ndarray):
         s0, exact = np.zeros(b, F32), np.zeros(b, bool)
 
         def make_exact(mask):
-            rows = np.nonzero(mask & ~exact)[0]
+            rows = np.nonzero(mask & ~exact)[0]  # noqa: B023
             if rows.size:
-                s0[rows] = lay.exact_sum(pv, rows)
-                exact[rows] = True
+                s0[rows] = lay.exact_sum(pv, rows)  # noqa: B023
+                exact[rows] = True  # noqa: B023
 
         sure_gt, sure_lt = mass - p64 > err, p64 - mass > err
         make_exact(act & ~sure_gt & ~sure_lt)
@@ -269,11 +269,29 @@ def _block0_stats(x: np.ndarray, bs: int) -> tuple[np.ndarray, np.ndarray]:
     return avg, np.sqrt(np.maximum(sq - avg * avg, F32(0.0)))
 
 
-@native("vllm.v1.sample.ops.topk_topp_triton", "_topk_topp_kernel",
-        sha256="539ec5f2f0f9f2875500c41022a65414960beae210562c4def55ba945cc84a36")
-def _topk_topp_kernel(grid, LOGITS, LOGITS_STRIDE_0, BUFFER, PERCENTILE_TO_STD_TABLE, NORMAL_CDF_TO_SIGMA_TABLE,
-                      K, P, BATCH_SIZE, VOCAB_SIZE, MASK_VALUE, BLOCK_SIZE, BLOCK_SIZE_TRUNC, TOPK_ENABLED,
-                      TOPP_ENABLED, SPLIT_COVERS_PONLY):
+@native(
+    "vllm.v1.sample.ops.topk_topp_triton",
+    "_topk_topp_kernel",
+    sha256="539ec5f2f0f9f2875500c41022a65414960beae210562c4def55ba945cc84a36",
+)
+def _topk_topp_kernel(
+    grid,
+    LOGITS,
+    LOGITS_STRIDE_0,
+    BUFFER,
+    PERCENTILE_TO_STD_TABLE,
+    NORMAL_CDF_TO_SIGMA_TABLE,
+    K,
+    P,
+    BATCH_SIZE,
+    VOCAB_SIZE,
+    MASK_VALUE,
+    BLOCK_SIZE,
+    BLOCK_SIZE_TRUNC,
+    TOPK_ENABLED,
+    TOPP_ENABLED,
+    SPLIT_COVERS_PONLY,
+):
     # The kernel loads logits in their own dtype; its launcher admits fp32 only, which is what this computes in.
     # Every row < BATCH_SIZE is handled exactly once whatever the grid; only the scratch row would differ.
     B, V, BS, BT = int(BATCH_SIZE), int(VOCAB_SIZE), int(BLOCK_SIZE), int(BLOCK_SIZE_TRUNC)
@@ -281,9 +299,18 @@ def _topk_topp_kernel(grid, LOGITS, LOGITS_STRIDE_0, BUFFER, PERCENTILE_TO_STD_T
         return
     view = LOGITS.as_strided((B, V), (int(LOGITS_STRIDE_0), 1))
     with np.errstate(all="ignore"):
-        keep, rows = _keep_mask(view, B, V, BS, BT, PERCENTILE_TO_STD_TABLE, NORMAL_CDF_TO_SIGMA_TABLE,
-                                K if TOPK_ENABLED else None, P if TOPP_ENABLED else None,
-                                bool(SPLIT_COVERS_PONLY and TOPK_ENABLED))
+        keep, rows = _keep_mask(
+            view,
+            B,
+            V,
+            BS,
+            BT,
+            PERCENTILE_TO_STD_TABLE,
+            NORMAL_CDF_TO_SIGMA_TABLE,
+            K if TOPK_ENABLED else None,
+            P if TOPP_ENABLED else None,
+            bool(SPLIT_COVERS_PONLY and TOPK_ENABLED),
+        )
     if rows.size:
         # Masked lanes get MASK_VALUE as the kernel stores it: an fp32 constant, then cast to the logits dtype.
         fill = torch.tensor(float(F32(MASK_VALUE)), dtype=torch.float32).to(view.dtype)
@@ -338,8 +365,9 @@ def _keep_mask(view, B, V, BS, BT, pct_table, cdf_table, K, P, split_covers_ponl
                     data, ts, lo = _compact(xr[sel], omask[sel], -np.inf)[0], BT, opiv[sel]
                 else:  # gathering failed: the whole row, from its finite min up
                     data, ts, lo = xr[sel], BS, min_logit[r[sel]]
-                kp[sel], kpn[sel], ml[sel], nml[sel] = _search_k(_Layout(data, ts, -np.inf, INF), kr[sel], lo,
-                                                                max_logit[r[sel]])
+                kp[sel], kpn[sel], ml[sel], nml[sel] = _search_k(
+                    _Layout(data, ts, -np.inf, INF), kr[sel], lo, max_logit[r[sel]]
+                )
             dup_logit[r], num_dup[r] = ml, nml
             num_keep[r] = (nml - ((kpn - kr) & U32)) & U32
             has_more = n_fin > kr
@@ -349,8 +377,24 @@ def _keep_mask(view, B, V, BS, BT, pct_table, cdf_table, K, P, split_covers_ponl
                 p_r = P[:B].to(torch.float32).numpy()[r]
                 s = np.nonzero(has_more & (p_r < F32(1.0)))[0]
                 if s.size:
-                    _topk_then_topp(s, r, xr, kr, kp, omask, buf_path, p_r, BT, BS,
-                                    final, dup_logit, num_dup, num_keep, max_logit, min_logit)
+                    _topk_then_topp(
+                        s,
+                        r,
+                        xr,
+                        kr,
+                        kp,
+                        omask,
+                        buf_path,
+                        p_r,
+                        BT,
+                        BS,
+                        final,
+                        dup_logit,
+                        num_dup,
+                        num_keep,
+                        max_logit,
+                        min_logit,
+                    )
 
     if P is not None:
         p = P[:B].to(torch.float32).numpy()
@@ -359,8 +403,22 @@ def _keep_mask(view, B, V, BS, BT, pct_table, cdf_table, K, P, split_covers_ponl
             standalone &= K[:B].to(torch.int64).numpy() < V
         r = np.nonzero(standalone)[0]
         if r.size:
-            _topp_alone(r, _rows(x, r), p[r], BS, BT, cdf_table, final, dup_logit, num_dup, num_keep, max_logit,
-                        min_logit, fin_min[r], valid)
+            _topp_alone(
+                r,
+                _rows(x, r),
+                p[r],
+                BS,
+                BT,
+                cdf_table,
+                final,
+                dup_logit,
+                num_dup,
+                num_keep,
+                max_logit,
+                min_logit,
+                fin_min[r],
+                valid,
+            )
 
     # Sixth pass: keep logits above the pivot; of the pivot's duplicates keep only the first num_keep.
     rows = np.nonzero((final < max_logit) & (final != -INF))[0]
@@ -375,8 +433,9 @@ def _keep_mask(view, B, V, BS, BT, pct_table, cdf_table, K, P, split_covers_ponl
     return keep, rows
 
 
-def _topk_then_topp(s, r, xr, kr, kp, omask, buf_path, p_r, BT, BS,
-                    final, dup_logit, num_dup, num_keep, max_logit, min_logit):
+def _topk_then_topp(
+    s, r, xr, kr, kp, omask, buf_path, p_r, BT, BS, final, dup_logit, num_dup, num_keep, max_logit, min_logit
+):
     """Top-p over the top-k survivors (the kernel's third to fifth passes after a top-k pivot)."""
     rows = r[s]
     min_logit[rows] = kp[s]
@@ -417,8 +476,7 @@ def _topk_then_topp(s, r, xr, kr, kp, omask, buf_path, p_r, BT, BS,
         _set_p_result(gr, pp, ml, nml, ps, p_r[s[g]], se, mx[g], final, dup_logit, num_dup, num_keep)
 
 
-def _topp_alone(r, xr, p, BS, BT, cdf_table, final, dup_logit, num_dup, num_keep, max_logit, min_logit, fin_r,
-                valid):
+def _topp_alone(r, xr, p, BS, BT, cdf_table, final, dup_logit, num_dup, num_keep, max_logit, min_logit, fin_r, valid):
     """Standalone top-p (rows without a top-k pivot)."""
     avg, std = _block0_stats(xr, BS)
     ms = avg + std * F32(10.0)

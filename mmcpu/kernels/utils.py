@@ -8,10 +8,12 @@ from mmcpu.kernels import ptr
 from mmcpu.kernels.dispatch import native
 
 
-@native("vllm.v1.worker.utils", "_zero_kv_blocks_kernel",
-        sha256="c62acf83e325156b64208c54a496e3ce88196216822397e41c1dbaa9fa527770")
-def _zero_kv_blocks_kernel(grid, seg_addrs_ptr, seg_block_strides_ptr, seg_page_sizes_ptr, block_ids_ptr,
-                           BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.utils",
+    "_zero_kv_blocks_kernel",
+    sha256="c62acf83e325156b64208c54a496e3ce88196216822397e41c1dbaa9fa527770",
+)
+def _zero_kv_blocks_kernel(grid, seg_addrs_ptr, seg_block_strides_ptr, seg_page_sizes_ptr, block_ids_ptr, BLOCK_SIZE):
     # Program (b, s, c) zeroes int32 words [c * BLOCK_SIZE, (c + 1) * BLOCK_SIZE) below page_size[s] at
     # seg_addr[s] + block_id[b] * block_stride[s] words; so per segment, the first min(page_size[s],
     # chunks * BLOCK_SIZE) words of each block.
@@ -23,7 +25,7 @@ def _zero_kv_blocks_kernel(grid, seg_addrs_ptr, seg_block_strides_ptr, seg_page_
     addrs = seg_addrs_ptr[:num_segs].view(torch.int64).tolist()  # user-space addresses fit in int64
     strides = seg_block_strides_ptr[:num_segs].tolist()
     pages = seg_page_sizes_ptr[:num_segs].tolist()
-    for addr, stride, page in zip(addrs, strides, pages):
+    for addr, stride, page in zip(addrs, strides, pages, strict=False):
         span = min(int(page), chunks * BLOCK_SIZE)
         if span <= 0:
             continue

@@ -12,5 +12,7 @@ decoding (docs/security.md).
 
 # The one answer to every failed fetch (no connection detail: an open port reads like a closed one). Here, apart from
 # the connector, so clients and tests can compare with it without importing vLLM.
-FETCH_FAILED = ("Could not load media from this URL. This server loads data: URLs, and http(s) URLs only from the "
-                "hosts its operator allows (MMCPU_MEDIA_DOMAINS) when they answer in time with a supported file.")
+FETCH_FAILED = (
+    "Could not load media from this URL. This server loads data: URLs, and http(s) URLs only from the "
+    "hosts its operator allows (MMCPU_MEDIA_DOMAINS) when they answer in time with a supported file."
+)

@@ -60,9 +60,14 @@ def param_of(media_io: MediaIO[Any]) -> str:
 class PolicyMediaConnector(MediaConnector):
     """See the module docstring. Built per rendered request, like vLLM's own."""
 
-    def __init__(self, media_io_kwargs: dict[str, dict[str, Any]] | None = None, *args: Any,
-                 allowed_local_media_path: str = "", allowed_media_domains: list[str] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        media_io_kwargs: dict[str, dict[str, Any]] | None = None,
+        *args: Any,
+        allowed_local_media_path: str = "",
+        allowed_media_domains: list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(media_io_kwargs, *args, allowed_media_domains=allowed_media_domains, **kwargs)
         settings = get_settings()
         # The launcher passes MMCPU_MEDIA_DOMAINS as --allowed-media-domains; the setting is read too, for an
@@ -86,8 +91,7 @@ class PolicyMediaConnector(MediaConnector):
         media_type, _, encoding = spec.rpartition(";")
         param = param_of(media_io)
         if not sep or encoding.lower() != "base64":
-            raise VLLMValidationError("A data: URL must be base64-encoded: data:<type>;base64,<data>.",
-                                      parameter=param)
+            raise VLLMValidationError("A data: URL must be base64-encoded: data:<type>;base64,<data>.", parameter=param)
         limits.check_bytes(len(payload) * 3 // 4, self.max_bytes, param=param)  # before decoding anything
         if not isinstance(media_io, ImageMediaIO):
             # Audio and video keep their own base64 handling (video/jpeg is a list of frames).
@@ -104,9 +108,12 @@ class PolicyMediaConnector(MediaConnector):
         # A new session per fetch: no pooled connection to a host checked for another request, no DNS cache.
         connector = aiohttp.TCPConnector(resolver=PublicResolver(), use_dns_cache=False, force_close=True)
         headers = {"User-Agent": "mmcpu-media", "Accept-Encoding": "identity"}
-        async with asyncio.timeout(timeout_s), aiohttp.ClientSession(
-            connector=connector, trust_env=False, auto_decompress=False, headers=headers
-        ) as session:
+        async with (
+            asyncio.timeout(timeout_s),
+            aiohttp.ClientSession(
+                connector=connector, trust_env=False, auto_decompress=False, headers=headers
+            ) as session,
+        ):
             for _hop in range(MAX_REDIRECTS + 1):
                 async with session.get(target, allow_redirects=False) as response:
                     if response.status in REDIRECTS:
@@ -140,14 +147,13 @@ class PolicyMediaConnector(MediaConnector):
             return await loop.run_in_executor(global_thread_pool, self._decode, data, media_io)
         except limits.OverLimit:
             raise
-        except Exception as exc:  # noqa: BLE001 - every other failure is the same answer (module docstring)
+        except Exception as exc:
             # The reason goes to the engine's log for the operator, never to the client.
             logger.info("media URL refused or failed: %s: %s", type(exc).__name__, exc)
             raise VLLMValidationError(FETCH_FAILED, parameter=param) from None
 
     # --- vLLM's MediaConnector interface -----------------------------------------------------------------
-    async def load_from_url_async(self, url: str, media_io: MediaIO[_M], *, fetch_timeout: int | None = None
-                                  ) -> _M:
+    async def load_from_url_async(self, url: str, media_io: MediaIO[_M], *, fetch_timeout: int | None = None) -> _M:
         if url[:5].lower() == "data:":
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(global_thread_pool, self._load_data, url, media_io)

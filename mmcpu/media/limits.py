@@ -34,12 +34,17 @@ def check_bytes(size: int, limit: int, *, param: str, at_least: bool = False) ->
         more = "more than " if at_least else ""
         raise OverLimit(
             f"The media item is {more}{size} bytes, over this server's limit of {limit} bytes per item "
-            f"(MMCPU_MAX_MEDIA_MB={limit / 2**20:g}).", parameter=param)
+            f"(MMCPU_MAX_MEDIA_MB={limit / 2**20:g}).",
+            parameter=param,
+        )
 
 
 def _over(pixels: int, max_pixels: int, what: str) -> OverLimit:
-    return OverLimit(f"The image is {what}{pixels} pixels, over this server's limit of {max_pixels} pixels "
-                               "per image (MMCPU_MAX_IMAGE_PIXELS).", parameter="image_url")
+    return OverLimit(
+        f"The image is {what}{pixels} pixels, over this server's limit of {max_pixels} pixels "
+        "per image (MMCPU_MAX_IMAGE_PIXELS).",
+        parameter="image_url",
+    )
 
 
 def check_image(data: bytes, max_pixels: int) -> tuple[int, int, int]:
@@ -54,7 +59,7 @@ def check_image(data: bytes, max_pixels: int) -> tuple[int, int, int]:
         # Over twice PIL's limit (179 Mpx), PIL refuses before the size can be read; its message has the count.
         declared = re.search(r"\((\d+) pixels\)", str(exc))
         raise _over(int(declared.group(1)) if declared else max_pixels + 1, max_pixels, "") from None
-    except Exception:  # noqa: BLE001 - PIL raises many types for bad headers; none says more than "not an image"
+    except Exception:
         raise VLLMValidationError(UNDECODABLE, parameter="image_url") from None
     pixels = width * height * frames
     if pixels > max_pixels:

@@ -89,8 +89,9 @@ class PublicResolver(AbstractResolver):
     def __init__(self) -> None:
         self._inner = aiohttp.ThreadedResolver()
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-                      ) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         results = await self._inner.resolve(host, port, family)
         for result in results:
             address = ipaddress.ip_address(result["host"].split("%")[0])

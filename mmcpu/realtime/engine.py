@@ -31,8 +31,9 @@ class Transcript:
 class EngineError(Exception):
     """A failed transcription, in OpenAI's error fields (sent as ``...transcription.failed``)."""
 
-    def __init__(self, message: str, *, type: str = "server_error", code: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, type: str = "server_error", code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message, self.type, self.code, self.param = message, type, code, param
 
@@ -52,8 +53,9 @@ async def engine_for(upstreams: Upstreams, model: str) -> str:
     return (await _engine(upstreams, model)).name
 
 
-async def transcribe(upstreams: Upstreams, model: str, audio: np.ndarray, *, language: str | None = None,
-                     prompt: str | None = None) -> Transcript:
+async def transcribe(
+    upstreams: Upstreams, model: str, audio: np.ndarray, *, language: str | None = None, prompt: str | None = None
+) -> Transcript:
     """``audio`` (int16, 16 kHz) transcribed by the engine serving ``model``."""
     engine = await _engine(upstreams, model)
     data = {"model": model, "response_format": "json"}
@@ -62,11 +64,13 @@ async def transcribe(upstreams: Upstreams, model: str, audio: np.ndarray, *, lan
     if prompt:
         data["prompt"] = prompt
     files = {"file": ("audio.wav", wav_bytes(audio), "audio/wav")}
+    assert engine.client is not None, "every configured engine has its pool"
     try:
         response = await engine.client.post(engine.url + PATH, data=data, files=files)  # the engine's own pool
     except httpx.HTTPError as exc:
-        raise EngineError(f"The {engine.name} engine failed: {type(exc).__name__}: {exc}",
-                          code="engine_error") from None
+        raise EngineError(
+            f"The {engine.name} engine failed: {type(exc).__name__}: {exc}", code="engine_error"
+        ) from None
     try:
         body = response.json()
     except json.JSONDecodeError:
@@ -74,10 +78,15 @@ async def transcribe(upstreams: Upstreams, model: str, audio: np.ndarray, *, lan
     if response.status_code != 200 or not isinstance(body, dict) or not isinstance(body.get("text"), str):
         error = body.get("error") if isinstance(body, dict) else None
         if isinstance(error, dict):
-            raise EngineError(str(error.get("message")), type=str(error.get("type") or "server_error"),
-                              code=error.get("code") and str(error.get("code")), param=error.get("param"))
-        raise EngineError(f"The {engine.name} engine answered {response.status_code}: {response.text[:200]}",
-                          code="engine_error")
+            raise EngineError(
+                str(error.get("message")),
+                type=str(error.get("type") or "server_error"),
+                code=error.get("code") and str(error.get("code")),
+                param=error.get("param"),
+            )
+        raise EngineError(
+            f"The {engine.name} engine answered {response.status_code}: {response.text[:200]}", code="engine_error"
+        )
     usage = body.get("usage")
     seconds = usage.get("seconds") if isinstance(usage, dict) else None
     if not isinstance(seconds, (int, float)):

@@ -32,8 +32,14 @@ def new_id(prefix: str) -> str:
 class ProtocolError(ValueError):
     """A client event this server cannot take: answered with an ``error`` event, the session stays open."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value",
-                 type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str = "invalid_value",
+        type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.code, self.type = message, param, code, type
 
@@ -61,8 +67,9 @@ def _object(value: Any, param: str) -> dict[str, Any]:
 def _known(value: dict[str, Any], allowed: set[str], param: str) -> None:
     unknown = sorted(set(value) - allowed)
     if unknown:
-        raise ProtocolError(f"Unknown parameter '{param}.{unknown[0]}'.", param=f"{param}.{unknown[0]}",
-                            code="unknown_parameter")
+        raise ProtocolError(
+            f"Unknown parameter '{param}.{unknown[0]}'.", param=f"{param}.{unknown[0]}", code="unknown_parameter"
+        )
 
 
 def _text(value: Any, param: str) -> str | None:
@@ -73,8 +80,12 @@ def _text(value: Any, param: str) -> str | None:
 
 def _number(value: Any, param: str, lo: float, hi: float, *, integer: bool) -> float:
     kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or (integer and not float(value).is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (integer and not float(value).is_integer())
+    ):
         raise ProtocolError(f"'{param}' must be {kind}", param=param)
     if not lo <= value <= hi:
         raise ProtocolError(f"'{param}' must be between {lo:g} and {hi:g}, not {value}", param=param)
@@ -89,26 +100,30 @@ def _turn_detection(value: Any, param: str) -> vad.Options | None:
     if value is None:
         return None
     value = _object(value, param)
-    _known(value, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "eagerness"} | _VAD_IGNORED,
-           param)
+    _known(value, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "eagerness"} | _VAD_IGNORED, param)
     kind = value.get("type", "server_vad")
     if kind == "semantic_vad":
-        raise ProtocolError("semantic_vad is not supported: use server_vad or null", param=f"{param}.type",
-                            code="unsupported_value")
+        raise ProtocolError(
+            "semantic_vad is not supported: use server_vad or null", param=f"{param}.type", code="unsupported_value"
+        )
     if kind != "server_vad":
-        raise ProtocolError(f"'{param}.type' must be 'server_vad' (or turn_detection null), not {kind!r}",
-                            param=f"{param}.type")
+        raise ProtocolError(
+            f"'{param}.type' must be 'server_vad' (or turn_detection null), not {kind!r}", param=f"{param}.type"
+        )
     if "eagerness" in value:
-        raise ProtocolError("'eagerness' belongs to semantic_vad", param=f"{param}.eagerness",
-                            code="unknown_parameter")
-    fields = {"threshold": SERVER_VAD.threshold, "prefix_padding_ms": SERVER_VAD.pad_ms,
-              "silence_duration_ms": SERVER_VAD.min_silence_ms}
+        raise ProtocolError("'eagerness' belongs to semantic_vad", param=f"{param}.eagerness", code="unknown_parameter")
+    fields = {
+        "threshold": SERVER_VAD.threshold,
+        "prefix_padding_ms": SERVER_VAD.pad_ms,
+        "silence_duration_ms": SERVER_VAD.min_silence_ms,
+    }
     fields.update({k: v for k, v in value.items() if k in fields and v is not None})
     return vad.Options(
         threshold=float(_number(fields["threshold"], f"{param}.threshold", 0, 1, integer=False)),
         pad_ms=int(_number(fields["prefix_padding_ms"], f"{param}.prefix_padding_ms", 0, 10_000, integer=True)),
-        min_silence_ms=int(_number(fields["silence_duration_ms"], f"{param}.silence_duration_ms", 0, 10_000,
-                                   integer=True)),
+        min_silence_ms=int(
+            _number(fields["silence_duration_ms"], f"{param}.silence_duration_ms", 0, 10_000, integer=True)
+        ),
     )
 
 
@@ -117,8 +132,9 @@ def _transcription(value: Any, param: str, config: Config) -> Config:
         return replace(config, model=None, language=None, prompt=None)
     value = _object(value, param)
     _known(value, {"model", "language", "prompt"}, param)
-    changes: dict[str, Any] = {name: _text(value[name], f"{param}.{name}") for name in ("model", "language", "prompt")
-               if name in value}
+    changes: dict[str, Any] = {
+        name: _text(value[name], f"{param}.{name}") for name in ("model", "language", "prompt") if name in value
+    }
     return replace(config, **changes)
 
 
@@ -146,14 +162,16 @@ def _format(value: Any, param: str) -> int:
     _known(value, {"type", "rate"}, param)
     kind = value.get("type", "audio/pcm")
     if kind in ("audio/pcmu", "audio/pcma"):
-        raise ProtocolError(f"{kind} (G.711) is not supported: send audio/pcm", param=f"{param}.type",
-                            code="unsupported_value")
+        raise ProtocolError(
+            f"{kind} (G.711) is not supported: send audio/pcm", param=f"{param}.type", code="unsupported_value"
+        )
     if kind != "audio/pcm":
         raise ProtocolError(f"'{param}.type' must be 'audio/pcm', not {kind!r}", param=f"{param}.type")
     rate = value.get("rate", RATES[0])
     if rate not in RATES or isinstance(rate, bool):
-        raise ProtocolError(f"'{param}.rate' must be {' or '.join(map(str, RATES))}, not {rate!r}",
-                            param=f"{param}.rate")
+        raise ProtocolError(
+            f"'{param}.rate' must be {' or '.join(map(str, RATES))}, not {rate!r}", param=f"{param}.rate"
+        )
     return int(rate)
 
 
@@ -163,9 +181,12 @@ def apply_ga(config: Config, session: Any) -> Config:
     _known(session, {"type", "audio", "include", "id", "object"}, "session")
     kind = session.get("type", "transcription")
     if kind != "transcription":
-        raise ProtocolError(f"Only transcription sessions are served here, not {kind!r}: use "
-                            "session.type 'transcription' (connect with ?intent=transcription)",
-                            param="session.type", code="unsupported_value")
+        raise ProtocolError(
+            f"Only transcription sessions are served here, not {kind!r}: use "
+            "session.type 'transcription' (connect with ?intent=transcription)",
+            param="session.type",
+            code="unsupported_value",
+        )
     if "include" in session:
         config = replace(config, include=_include(session["include"], "session.include"))
     if "audio" not in session:
@@ -181,11 +202,13 @@ def apply_ga(config: Config, session: Any) -> Config:
     if "transcription" in inp:
         config = _transcription(inp["transcription"], "session.audio.input.transcription", config)
     if "turn_detection" in inp:
-        config = replace(config, turn_detection=_turn_detection(inp["turn_detection"],
-                                                                 "session.audio.input.turn_detection"))
+        config = replace(
+            config, turn_detection=_turn_detection(inp["turn_detection"], "session.audio.input.turn_detection")
+        )
     if "noise_reduction" in inp:
-        config = replace(config, noise_reduction=_noise_reduction(inp["noise_reduction"],
-                                                                  "session.audio.input.noise_reduction"))
+        config = replace(
+            config, noise_reduction=_noise_reduction(inp["noise_reduction"], "session.audio.input.noise_reduction")
+        )
     return config
 
 
@@ -195,31 +218,52 @@ BETA_FORMATS = {"pcm16": None, "g711_ulaw": "G.711 u-law", "g711_alaw": "G.711 A
 def apply_beta(config: Config, session: Any) -> Config:
     """``transcription_session.update``'s ``session`` over ``config`` (beta shape; 24 kHz ``pcm16``)."""
     session = _object(session, "session")
-    _known(session, {"input_audio_format", "input_audio_transcription", "turn_detection",
-                     "input_audio_noise_reduction", "include", "modalities", "client_secret", "id", "object"},
-           "session")
+    _known(
+        session,
+        {
+            "input_audio_format",
+            "input_audio_transcription",
+            "turn_detection",
+            "input_audio_noise_reduction",
+            "include",
+            "modalities",
+            "client_secret",
+            "id",
+            "object",
+        },
+        "session",
+    )
     if "input_audio_format" in session:
         fmt = session["input_audio_format"]
         if fmt not in BETA_FORMATS:
-            raise ProtocolError(f"'session.input_audio_format' must be 'pcm16', not {fmt!r}",
-                                param="session.input_audio_format")
+            raise ProtocolError(
+                f"'session.input_audio_format' must be 'pcm16', not {fmt!r}", param="session.input_audio_format"
+            )
         if BETA_FORMATS[fmt]:
-            raise ProtocolError(f"{BETA_FORMATS[fmt]} is not supported: send pcm16",
-                                param="session.input_audio_format", code="unsupported_value")
+            raise ProtocolError(
+                f"{BETA_FORMATS[fmt]} is not supported: send pcm16",
+                param="session.input_audio_format",
+                code="unsupported_value",
+            )
         config = replace(config, rate=RATES[0])
     if "input_audio_transcription" in session:
         config = _transcription(session["input_audio_transcription"], "session.input_audio_transcription", config)
     if "turn_detection" in session:
         config = replace(config, turn_detection=_turn_detection(session["turn_detection"], "session.turn_detection"))
     if "input_audio_noise_reduction" in session:
-        config = replace(config, noise_reduction=_noise_reduction(session["input_audio_noise_reduction"],
-                                                                  "session.input_audio_noise_reduction"))
+        config = replace(
+            config,
+            noise_reduction=_noise_reduction(
+                session["input_audio_noise_reduction"], "session.input_audio_noise_reduction"
+            ),
+        )
     if "include" in session:
         config = replace(config, include=_include(session["include"], "session.include"))
     modalities = session.get("modalities")
     if modalities is not None and modalities != ["text"]:
-        raise ProtocolError("'session.modalities' must be ['text']: a transcription session speaks no audio",
-                            param="session.modalities")
+        raise ProtocolError(
+            "'session.modalities' must be ['text']: a transcription session speaks no audio", param="session.modalities"
+        )
     return config
 
 
@@ -227,8 +271,12 @@ def apply_beta(config: Config, session: Any) -> Config:
 def _vad_object(options: vad.Options | None) -> dict[str, Any] | None:
     if options is None:
         return None
-    return {"type": "server_vad", "threshold": options.threshold, "prefix_padding_ms": options.pad_ms,
-            "silence_duration_ms": options.min_silence_ms}
+    return {
+        "type": "server_vad",
+        "threshold": options.threshold,
+        "prefix_padding_ms": options.pad_ms,
+        "silence_duration_ms": options.min_silence_ms,
+    }
 
 
 def _transcription_object(config: Config) -> dict[str, Any]:
@@ -238,31 +286,55 @@ def _transcription_object(config: Config) -> dict[str, Any]:
 def session_object(session_id: str, config: Config, *, beta: bool) -> dict[str, Any]:
     noise = {"type": config.noise_reduction} if config.noise_reduction else None
     if beta:
-        return {"id": session_id, "object": "realtime.transcription_session", "modalities": ["text"],
-                "input_audio_format": "pcm16", "input_audio_transcription": _transcription_object(config),
-                "turn_detection": _vad_object(config.turn_detection), "input_audio_noise_reduction": noise,
-                "include": list(config.include)}
-    return {"type": "transcription", "id": session_id, "object": "realtime.transcription_session",
-            "audio": {"input": {"format": {"type": "audio/pcm", "rate": config.rate},
-                                "transcription": _transcription_object(config),
-                                "turn_detection": _vad_object(config.turn_detection),
-                                "noise_reduction": noise}},
-            "include": list(config.include)}
+        return {
+            "id": session_id,
+            "object": "realtime.transcription_session",
+            "modalities": ["text"],
+            "input_audio_format": "pcm16",
+            "input_audio_transcription": _transcription_object(config),
+            "turn_detection": _vad_object(config.turn_detection),
+            "input_audio_noise_reduction": noise,
+            "include": list(config.include),
+        }
+    return {
+        "type": "transcription",
+        "id": session_id,
+        "object": "realtime.transcription_session",
+        "audio": {
+            "input": {
+                "format": {"type": "audio/pcm", "rate": config.rate},
+                "transcription": _transcription_object(config),
+                "turn_detection": _vad_object(config.turn_detection),
+                "noise_reduction": noise,
+            }
+        },
+        "include": list(config.include),
+    }
 
 
 def event(kind: str, **fields: Any) -> dict[str, Any]:
     return {"type": kind, "event_id": new_id("event"), **fields}
 
 
-def error_event(message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                param: str | None = None, event_id: str | None = None) -> dict[str, Any]:
-    return event("error", error={"type": type, "code": code, "message": message, "param": param,
-                                 "event_id": event_id})
+def error_event(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    event_id: str | None = None,
+) -> dict[str, Any]:
+    return event("error", error={"type": type, "code": code, "message": message, "param": param, "event_id": event_id})
 
 
 def user_item(item_id: str, transcript: str | None, *, beta: bool) -> dict[str, Any]:
-    item = {"id": item_id, "type": "message", "status": "completed", "role": "user",
-            "content": [{"type": "input_audio", "transcript": transcript}]}
+    item = {
+        "id": item_id,
+        "type": "message",
+        "status": "completed",
+        "role": "user",
+        "content": [{"type": "input_audio", "transcript": transcript}],
+    }
     if beta:
         item["object"] = "realtime.item"
     return item
@@ -281,7 +353,7 @@ class Emitted:
         words = hypothesis.split()
         if words[: len(self.words)] != self.words:
             return ""
-        new = words[len(self.words): len(words) - 1 if hold_last else len(words)]
+        new = words[len(self.words) : len(words) - 1 if hold_last else len(words)]
         if not new:
             return ""
         delta = (" " if self.words else "") + " ".join(new)

@@ -34,7 +34,7 @@ from mmcpu.gateway.upstream import Upstreams
 from mmcpu.realtime import protocol as p
 from mmcpu.realtime.audio import ENGINE_RATE, AudioError, Resampler, decode_pcm16
 from mmcpu.realtime.engine import EngineError, engine_for, transcribe
-from mmcpu.realtime.turns import Commit, InputBuffer, Started, Stopped, ms
+from mmcpu.realtime.turns import Commit, InputBuffer, Started, Stopped
 
 log = logging.getLogger("mmcpu.realtime")
 
@@ -58,12 +58,24 @@ class Hub:
         self.per_engine: Counter[str] = Counter()
         self.interims: Counter[str] = Counter()  # interim decodes in flight per engine
         self.finals: Counter[str] = Counter()  # committed turns queued or at the engine, per engine (finals first)
-        self.sessions = Gauge("mmcpu_realtime_sessions", "Open realtime sessions, by the engine of their model "
-                              "('' = no model yet)", ["engine"], registry=registry)
-        self.requests = Gauge("mmcpu_realtime_engine_requests", "Engine requests of realtime sessions in flight, "
-                              "by kind (final, interim)", ["kind"], registry=registry)
-        self.turns = PromCounter("mmcpu_realtime_turns", "Committed realtime turns, by outcome (completed, failed)",
-                                 ["outcome"], registry=registry)
+        self.sessions = Gauge(
+            "mmcpu_realtime_sessions",
+            "Open realtime sessions, by the engine of their model ('' = no model yet)",
+            ["engine"],
+            registry=registry,
+        )
+        self.requests = Gauge(
+            "mmcpu_realtime_engine_requests",
+            "Engine requests of realtime sessions in flight, by kind (final, interim)",
+            ["kind"],
+            registry=registry,
+        )
+        self.turns = PromCounter(
+            "mmcpu_realtime_turns",
+            "Committed realtime turns, by outcome (completed, failed)",
+            ["outcome"],
+            registry=registry,
+        )
 
     def open(self) -> bool:
         if self.total >= self.settings.realtime_max_sessions:
@@ -119,8 +131,16 @@ class Closed(Exception):
 
 
 class Session:
-    def __init__(self, hub: Hub, upstreams: Upstreams, receive: Receive, send: Send, *, beta: bool = False,
-                 model: str | None = None) -> None:
+    def __init__(
+        self,
+        hub: Hub,
+        upstreams: Upstreams,
+        receive: Receive,
+        send: Send,
+        *,
+        beta: bool = False,
+        model: str | None = None,
+    ) -> None:
         self.hub, self.settings, self.upstreams = hub, hub.settings, upstreams
         self._receive, self._send = receive, send
         self.beta = beta
@@ -192,8 +212,9 @@ class Session:
             for each in (reader, writer, *tasks, self.interim):
                 if each is not None:
                     each.cancel()
-            await asyncio.gather(reader, writer, *tasks, *([self.interim] if self.interim else []),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                reader, writer, *tasks, *([self.interim] if self.interim else []), return_exceptions=True
+            )
             while not self.turns.empty():  # turns never sent: no longer ahead of anyone's interim decodes
                 self.hub.finals[self.turns.get_nowait().engine] -= 1
             self.hub.close(self.engine)
@@ -222,14 +243,22 @@ class Session:
             except TimeoutError:
                 if self.busy or not self.turns.empty() or time.monotonic() - self.active < idle:
                     continue  # waiting for its transcripts is not idling
-                self.error(p.ProtocolError(f"No event for {self.settings.realtime_idle_s:g} s: session closed "
-                                           "(MMCPU_REALTIME_IDLE_S)", code="idle_timeout"))
+                self.error(
+                    p.ProtocolError(
+                        f"No event for {self.settings.realtime_idle_s:g} s: session closed (MMCPU_REALTIME_IDLE_S)",
+                        code="idle_timeout",
+                    )
+                )
                 return
             if message is None:
                 return
             if len(message) > limit:
-                self.error(p.ProtocolError(f"Event of {len(message)} bytes is over the limit of {limit} "
-                                           "(MMCPU_REALTIME_MAX_EVENT_MB)", code="event_too_large"))
+                self.error(
+                    p.ProtocolError(
+                        f"Event of {len(message)} bytes is over the limit of {limit} (MMCPU_REALTIME_MAX_EVENT_MB)",
+                        code="event_too_large",
+                    )
+                )
                 continue
             if isinstance(message, bytes):
                 self.error(p.ProtocolError("Binary frames are not events: send JSON text", code="invalid_event"))
@@ -254,8 +283,10 @@ class Session:
             handler = HANDLERS.get(kind) if isinstance(kind, str) else None
             if handler is None:
                 raise p.ProtocolError(
-                    f"Invalid value: {kind!r}. Supported event types in a transcription session: "
-                    f"{', '.join(HANDLERS)}", param="type", code="invalid_value")
+                    f"Invalid value: {kind!r}. Supported event types in a transcription session: {', '.join(HANDLERS)}",
+                    param="type",
+                    code="invalid_value",
+                )
             await handler(self, ev)
         except (p.ProtocolError, EngineError) as exc:
             self.error(exc, event_id)
@@ -274,8 +305,11 @@ class Session:
 
     async def _set_config(self, config: p.Config, ev: dict[str, Any] | None) -> None:
         """Take ``config`` whole or not at all: its model must be served, by an engine with room."""
-        param = "session.audio.input.transcription.model" if ev is None or ev.get("type") == "session.update" \
+        param = (
+            "session.audio.input.transcription.model"
+            if ev is None or ev.get("type") == "session.update"
             else "session.input_audio_transcription.model"
+        )
         engine = self.engine
         if config.model != self.config.model:
             if config.model is None:
@@ -289,8 +323,10 @@ class Session:
             if not self.hub.move(self.engine, engine):
                 raise EngineError(
                     f"The {engine} engine holds its limit of {self.settings.realtime_sessions_per_engine} realtime "
-                    "sessions (MMCPU_REALTIME_SESSIONS_PER_ENGINE): try again later", code="session_limit_reached",
-                    param=param)
+                    "sessions (MMCPU_REALTIME_SESSIONS_PER_ENGINE): try again later",
+                    code="session_limit_reached",
+                    param=param,
+                )
             self.engine = engine
         if config.rate != self.config.rate:
             self.resampler = Resampler(config.rate)
@@ -311,11 +347,11 @@ class Session:
         for change in self.buffer.append(samples):
             if isinstance(change, Started):
                 self._open_turn()
-                self.emit("input_audio_buffer.speech_started", item_id=self.item_id,
-                          audio_start_ms=change.audio_start_ms)
+                self.emit(
+                    "input_audio_buffer.speech_started", item_id=self.item_id, audio_start_ms=change.audio_start_ms
+                )
             elif isinstance(change, Stopped):
-                self.emit("input_audio_buffer.speech_stopped", item_id=self.item_id,
-                          audio_end_ms=change.audio_end_ms)
+                self.emit("input_audio_buffer.speech_stopped", item_id=self.item_id, audio_end_ms=change.audio_end_ms)
             elif isinstance(change, Commit):
                 await self._commit(change.audio)
 
@@ -325,7 +361,8 @@ class Session:
             raise p.ProtocolError(
                 f"Error committing input audio buffer: buffer too small. Expected at least {MIN_COMMIT_S * 1000:.0f}ms "
                 f"of audio, but buffer only has {self.buffer.samples * 1000 / ENGINE_RATE:.2f}ms of audio.",
-                code="input_audio_buffer_commit_empty")
+                code="input_audio_buffer_commit_empty",
+            )
         if self.item_id is None:
             self._open_turn()
         await self._commit(self.buffer.take())
@@ -354,14 +391,21 @@ class Session:
         self._close_turn()
         self.emit("input_audio_buffer.committed", item_id=item_id, previous_item_id=self.previous_item_id)
         item = p.user_item(item_id, None, beta=self.beta)
-        self.emit("conversation.item.created" if self.beta else "conversation.item.added",
-                  previous_item_id=self.previous_item_id, item=item)
+        self.emit(
+            "conversation.item.created" if self.beta else "conversation.item.added",
+            previous_item_id=self.previous_item_id,
+            item=item,
+        )
         self.previous_item_id = item_id
         self.backlog += audio.size
         if self.backlog > BACKLOG_S * ENGINE_RATE:
-            self.error(EngineError(f"The engine is {self.backlog / ENGINE_RATE:.0f} s of audio behind this session "
-                                   f"(over {BACKLOG_S} s of committed turns wait): session closed, try again later",
-                                   code="engine_overloaded"))
+            self.error(
+                EngineError(
+                    f"The engine is {self.backlog / ENGINE_RATE:.0f} s of audio behind this session "
+                    f"(over {BACKLOG_S} s of committed turns wait): session closed, try again later",
+                    code="engine_overloaded",
+                )
+            )
             raise Closed("the engine fell too far behind")
         self.hub.finals[self.engine or ""] += 1  # counted as queued: other sessions' interim decodes wait for it
         self.turns.put_nowait(Turn(item_id, audio, self.config, emitted, self.engine or ""))
@@ -383,15 +427,23 @@ class Session:
         self.hub.requests.labels("final").inc()
         try:
             if config.model is None:
-                raise EngineError("No transcription model: set session.audio.input.transcription.model",
-                                  type="invalid_request_error", code="model_required",
-                                  param="session.audio.input.transcription.model")
-            result = await transcribe(self.upstreams, config.model, turn.audio, language=config.language,
-                                      prompt=config.prompt)
+                raise EngineError(
+                    "No transcription model: set session.audio.input.transcription.model",
+                    type="invalid_request_error",
+                    code="model_required",
+                    param="session.audio.input.transcription.model",
+                )
+            result = await transcribe(
+                self.upstreams, config.model, turn.audio, language=config.language, prompt=config.prompt
+            )
         except EngineError as exc:
             self.hub.turns.labels("failed").inc()
-            self.emit("conversation.item.input_audio_transcription.failed", item_id=turn.item_id, content_index=0,
-                      error=exc.fields())
+            self.emit(
+                "conversation.item.input_audio_transcription.failed",
+                item_id=turn.item_id,
+                content_index=0,
+                error=exc.fields(),
+            )
             return
         finally:
             self.hub.requests.labels("final").dec()
@@ -399,25 +451,42 @@ class Session:
         # The rest of the final text as one more delta when it continues what the deltas carried; else the deltas
         # stop here and `completed` carries the text that counts (docs/realtime.md).
         if delta := turn.emitted.extend(result.text, hold_last=False):
-            self.emit("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, content_index=0,
-                      delta=delta)
-        self.emit("conversation.item.input_audio_transcription.completed", item_id=turn.item_id, content_index=0,
-                  transcript=result.text, usage={"type": "duration", "seconds": result.seconds})
+            self.emit(
+                "conversation.item.input_audio_transcription.delta", item_id=turn.item_id, content_index=0, delta=delta
+            )
+        self.emit(
+            "conversation.item.input_audio_transcription.completed",
+            item_id=turn.item_id,
+            content_index=0,
+            transcript=result.text,
+            usage={"type": "duration", "seconds": result.seconds},
+        )
         if not self.beta:
-            self.emit("conversation.item.done", previous_item_id=None,
-                      item=p.user_item(turn.item_id, result.text, beta=False))
+            self.emit(
+                "conversation.item.done", previous_item_id=None, item=p.user_item(turn.item_id, result.text, beta=False)
+            )
 
     async def _interims(self) -> None:
         every = self.settings.realtime_interim_s
         while True:
             await asyncio.sleep(min(0.1, every))
             now, engine = time.monotonic(), self.engine
-            if (self.item_id is None or self.interim is not None or self.busy or not self.turns.empty()
-                    or engine is None or self.hub.finals[engine] or self.config.model is None or not self.buffer.speech
-                    or self.buffer.pausing
-                    or now - self.turn_opened < every or now - self.last_interim < every
-                    or self.buffer.samples < MIN_INTERIM_S * ENGINE_RATE
-                    or self.buffer.samples <= self.interim_samples or not self.hub.interim_slot(engine)):
+            if (
+                self.item_id is None
+                or self.interim is not None
+                or self.busy
+                or not self.turns.empty()
+                or engine is None
+                or self.hub.finals[engine]
+                or self.config.model is None
+                or not self.buffer.speech
+                or self.buffer.pausing
+                or now - self.turn_opened < every
+                or now - self.last_interim < every
+                or self.buffer.samples < MIN_INTERIM_S * ENGINE_RATE
+                or self.buffer.samples <= self.interim_samples
+                or not self.hub.interim_slot(engine)
+            ):
                 continue
             self.last_interim = now
             self.interim_samples = self.buffer.samples
@@ -433,16 +502,18 @@ class Session:
         self.hub.requests.labels("interim").inc()
         assert config.model is not None  # _interims starts a decode only once the session names a model
         try:
-            result = await transcribe(self.upstreams, config.model, audio, language=config.language,
-                                      prompt=config.prompt)
+            result = await transcribe(
+                self.upstreams, config.model, audio, language=config.language, prompt=config.prompt
+            )
         except EngineError as exc:
             log.info("realtime session %s: interim decode failed: %s", self.id, exc.message)
             return
         finally:
             self.hub.requests.labels("interim").dec()
         if item_id == self.item_id and (delta := self.emitted.extend(result.text, hold_last=True)):
-            self.emit("conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0,
-                      delta=delta)
+            self.emit(
+                "conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0, delta=delta
+            )
 
 
 def replace_param(exc: EngineError, param: str) -> EngineError:

@@ -41,7 +41,7 @@ class StreamingVad:
     def feed(self, samples: np.ndarray) -> np.ndarray:
         audio = np.concatenate([self.rest, np.asarray(samples, dtype=np.float32) / 32768.0])
         n = audio.size // FRAME
-        self.rest = audio[n * FRAME:]
+        self.rest = audio[n * FRAME :]
         if n == 0:
             return np.zeros(0, dtype=np.float32)
         frames = audio[: n * FRAME].reshape(n, FRAME)
@@ -50,7 +50,8 @@ class StreamingVad:
         context[1:] = frames[:-1, -CONTEXT:]
         self.context = frames[-1, -CONTEXT:].copy()
         probs, self.h, self.c = self.sess.run(
-            None, {"input": np.concatenate([context, frames], axis=1), "h": self.h, "c": self.c})
+            None, {"input": np.concatenate([context, frames], axis=1), "h": self.h, "c": self.c}
+        )
         return np.asarray(probs, dtype=np.float32).reshape(-1)
 
 
@@ -121,7 +122,7 @@ class InputBuffer:
         if n <= 0:
             return
         keep = self._len - n
-        self._data[:keep] = self._data[n: self._len]
+        self._data[:keep] = self._data[n : self._len]
         self._len = keep
         self.start += n
 
@@ -131,14 +132,14 @@ class InputBuffer:
             grown = np.empty(max(need, 2 * self._data.size), dtype=np.int16)
             grown[: self._len] = self._data[: self._len]
             self._data = grown
-        self._data[self._len: need] = samples
+        self._data[self._len : need] = samples
         self._len = need
 
     def append(self, samples: np.ndarray) -> list[Started | Stopped | Commit]:
         events: list[Started | Stopped | Commit] = []
         # Chunks no longer than the longest turn, so a commit for length always finds its audio buffered.
         for i in range(0, samples.size, self.max_samples):
-            self._append(samples[i: i + self.max_samples], events)
+            self._append(samples[i : i + self.max_samples], events)
         return events
 
     def _append(self, samples: np.ndarray, events: list) -> None:

@@ -6,6 +6,7 @@ import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Whisper's timestamp tokens are 20 ms apart (<|0.00|>, <|0.02|>, ...).
 TIMESTAMP_STEP_S = 0.02
@@ -20,15 +21,21 @@ class Segment:
     avg_logprob: float
     seek: int  # openai-whisper's seek: the window's start in mel frames (100 per second)
 
-    def as_openai(self, number: int, temperature: float) -> dict:
+    def as_openai(self, number: int, temperature: float) -> dict[str, Any]:
         data = self.text.encode("utf-8")
         return {
-            "id": number, "seek": self.seek, "start": self.start, "end": self.end, "text": self.text,
-            "tokens": self.tokens, "temperature": temperature, "avg_logprob": self.avg_logprob,
+            "id": number,
+            "seek": self.seek,
+            "start": self.start,
+            "end": self.end,
+            "text": self.text,
+            "tokens": self.tokens,
+            "temperature": temperature,
+            "avg_logprob": self.avg_logprob,
             # A high ratio (repetitive text) hints at a hallucination loop, as in openai-whisper.
             "compression_ratio": len(data) / max(1, len(zlib.compress(data))),
             "no_speech_prob": None,  # not computed yet (issue 38 item 7)
-        }  # fmt: skip
+        }
 
 
 def window_segments(
@@ -59,8 +66,16 @@ def window_segments(
         words = decode(text)
         if words.strip():
             start = clamp(last_end if opened is None else opened)
-            segments.append(Segment(start, max(clamp(end), start), words, list(text),
-                                    sum(scores) / max(1, len(scores)), round(window_start * 100)))
+            segments.append(
+                Segment(
+                    start,
+                    max(clamp(end), start),
+                    words,
+                    list(text),
+                    sum(scores) / max(1, len(scores)),
+                    round(window_start * 100),
+                )
+            )
         text, scores = [], []
 
     for i, token in enumerate(tokens):

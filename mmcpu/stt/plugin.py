@@ -51,8 +51,10 @@ class SttPlugin:
             return
         if engine_client is None:
             raise RuntimeError("mmcpu_stt needs an engine (it was loaded on vLLM's render-only server)")
-        cores = {"transcriptions": getattr(state, "openai_serving_transcription", None),
-                 "translations": getattr(state, "openai_serving_translation", None)}
+        cores = {
+            "transcriptions": getattr(state, "openai_serving_transcription", None),
+            "translations": getattr(state, "openai_serving_translation", None),
+        }
         for task, core in cores.items():
             if core is not None:
                 self.serving[task] = SpeechServing(engine_client, core, TASKS[task])
@@ -84,8 +86,7 @@ class SttPlugin:
             return response
 
         @router.post(PATHS["transcriptions"])
-        async def transcriptions(raw_request: Request,
-                                 request: Annotated[TranscriptionRequest, Form()]) -> Response:
+        async def transcriptions(raw_request: Request, request: Annotated[TranscriptionRequest, Form()]) -> Response:
             return await serve(raw_request, request, "transcriptions")
 
         @router.post(PATHS["translations"])

@@ -76,7 +76,7 @@ class SpeechServing:
         self.whisper = bool(getattr(self.model_cls, "supports_segment_timestamp", False))
         self.default_vad = vad.default_strategy(sorted(self.served_names))
         self.tokenizer = None
-        self.rules: dict | None = None
+        self.rules: dict[str, Any] | None = None
         if self.whisper:
             self.tokenizer = get_tokenizer(self.model_config.tokenizer, tokenizer_mode=self.model_config.tokenizer_mode)
             ids = self.tokenizer.convert_tokens_to_ids
@@ -84,8 +84,9 @@ class SpeechServing:
             if whisper_timestamps.FQCN in (self.model_config.logits_processors or []):
                 self.rules = whisper_timestamps.request_args(self.timestamp_begin, self.eot, ids("<|notimestamps|>"))
         # Decoding and resampling audio is CPU work: off the event loop, a few at a time.
-        self.executor = ThreadPoolExecutor(max_workers=_vllm_envs().VLLM_MAX_AUDIO_PREPROCESS_WORKERS,
-                                           thread_name_prefix="mmcpu-stt")
+        self.executor = ThreadPoolExecutor(
+            max_workers=_vllm_envs().VLLM_MAX_AUDIO_PREPROCESS_WORKERS, thread_name_prefix="mmcpu-stt"
+        )
 
     # --- what is covered ------------------------------------------------------------------------------------------
     def delegation(self, request: Any) -> str | None:
@@ -135,12 +136,16 @@ class SpeechServing:
         envs = _vllm_envs()
         try:
             with io.BytesIO(data) as buf:
-                y, sr = load_audio(buf, sr=self.asr.sample_rate, mono=True,
-                                   max_duration_s=envs.VLLM_MAX_AUDIO_DECODE_DURATION_S,
-                                   max_decode_bytes=envs.VLLM_MAX_AUDIO_DECODE_BYTES)
+                y, sr = load_audio(
+                    buf,
+                    sr=self.asr.sample_rate,
+                    mono=True,
+                    max_duration_s=envs.VLLM_MAX_AUDIO_DECODE_DURATION_S,
+                    max_decode_bytes=envs.VLLM_MAX_AUDIO_DECODE_BYTES,
+                )
         except ValueError as exc:
             raise VLLMValidationError(str(exc), parameter="file") from None
-        except Exception:  # noqa: BLE001 - whatever the decoders raise, the upload is what is wrong
+        except Exception:
             raise VLLMValidationError("Invalid or unsupported audio file.", parameter="file") from None
         if y.size == 0:
             # Whisper would pad nothing to 30 s of silence and make words up.
@@ -148,9 +153,13 @@ class SpeechServing:
         duration = get_audio_duration(y=y, sr=sr)
         clip = self.asr.max_audio_clip_s
         if self.asr.allow_audio_chunking and clip is not None and duration > clip:
-            chunks = split_audio(audio_data=y, sample_rate=int(sr), max_clip_duration_s=clip,
-                                 overlap_duration_s=self.asr.overlap_chunk_second,
-                                 min_energy_window_size=self.asr.min_energy_split_window_size)
+            chunks = split_audio(
+                audio_data=y,
+                sample_rate=int(sr),
+                max_clip_duration_s=clip,
+                overlap_duration_s=self.asr.overlap_chunk_second,
+                min_energy_window_size=self.asr.min_energy_split_window_size,
+            )
         else:
             chunks = [y]
         out, start = [], 0.0
@@ -178,8 +187,10 @@ class SpeechServing:
         """The model class's own prompt for one window; timestamped: without <|notimestamps|>, so that the model
         places timestamps (from the first, within 1 s, under the rules)."""
         prompt = self.model_cls.get_generation_prompt(
-            request.build_stt_params(audio=audio, stt_config=self.asr, model_config=self.model_config,
-                                     task_type=self.task))
+            request.build_stt_params(
+                audio=audio, stt_config=self.asr, model_config=self.model_config, task_type=self.task
+            )
+        )
         if timestamped:
             decoder = dict(prompt["decoder_prompt"])
             decoder["prompt"] = decoder["prompt"].replace("<|notimestamps|>", "")
@@ -189,8 +200,9 @@ class SpeechServing:
     def sampling(self, request: Any, timestamped: bool) -> Any:
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
-        max_tokens = get_max_tokens(self.model_config.max_model_len, request.max_completion_tokens, 0,
-                                    self.default_sampling)
+        max_tokens = get_max_tokens(
+            self.model_config.max_model_len, request.max_completion_tokens, 0, self.default_sampling
+        )
         params = request.to_sampling_params(max_tokens, self.default_sampling)
         if timestamped:
             params.logprobs = 1  # each segment's avg_logprob
@@ -199,12 +211,12 @@ class SpeechServing:
 
     async def _final(self, prompt: Any, params: Any, request_id: str) -> Any:
         final = None
-        async for final in self.engine.generate(prompt, params, request_id):
-            pass
+        async for out in self.engine.generate(prompt, params, request_id):
+            final = out
         assert final is not None and final.finished
         return final
 
-    async def answer(self, request: Any, data: bytes) -> dict | str:
+    async def answer(self, request: Any, data: bytes) -> dict[str, Any] | str:
         """A whole (non-streamed) answer: the response's JSON document, or the text of text / srt / vtt."""
         self.validate(request)
         windows, duration = await self.windows(data)
@@ -214,8 +226,12 @@ class SpeechServing:
         base = f"mmcpu-stt-{self.task}-{uuid.uuid4().hex}"
         ids = [f"{base}-{i}" for i in range(len(windows))]
         try:
-            finals = await asyncio.gather(*(self._final(self.prompt(request, w.audio, timestamped), params, rid)
-                                            for w, rid in zip(windows, ids)))
+            finals = await asyncio.gather(
+                *(
+                    self._final(self.prompt(request, w.audio, timestamped), params, rid)
+                    for w, rid in zip(windows, ids, strict=False)
+                )
+            )
         except BaseException:
             # The client went away (the route's cancellation) or one window failed: stop every window's decode.
             await asyncio.gather(self.engine.abort(ids), return_exceptions=True)
@@ -227,8 +243,12 @@ class SpeechServing:
                 return text.strip() + "\n"
             return {"text": text, **({"usage": usage} if self.task == "transcribe" else {})}
         try:
-            per_window = await asyncio.gather(*(self.seek(request, params, w, f, f"{rid}-seek", ids)
-                                                for w, f, rid in zip(windows, finals, list(ids))))
+            per_window = await asyncio.gather(
+                *(
+                    self.seek(request, params, w, f, f"{rid}-seek", ids)
+                    for w, f, rid in zip(windows, finals, list(ids), strict=False)
+                )
+            )
         except BaseException:
             await asyncio.gather(self.engine.abort(ids), return_exceptions=True)
             raise
@@ -238,15 +258,17 @@ class SpeechServing:
         temperature = request.temperature or 0.0
         doc = {
             "text": "".join(s.text for s in segments).strip(),  # the text is its segments: the same words
-            "language": request.language, "duration": duration,
+            "language": request.language,
+            "duration": duration,
             "segments": [s.as_openai(i, temperature) for i, s in enumerate(segments)],
-        }  # fmt: skip
+        }
         if self.task == "transcribe":
             doc["usage"] = usage
         return doc
 
-    async def seek(self, request: Any, params: Any, window: Window, final: Any, rid: str,
-                   ids: list[str]) -> list[formats.Segment]:
+    async def seek(
+        self, request: Any, params: Any, window: Window, final: Any, rid: str, ids: list[str]
+    ) -> list[formats.Segment]:
         """A window's segments. Under the timestamp rules the model may end a window's decode unfinished: it leaves
         the speech after its last timestamp to a next window, which vLLM's precut windows do not have, so those
         words would be lost. As openai-whisper's seek does, the window is then cut at that timestamp and the rest
@@ -261,7 +283,7 @@ class SpeechServing:
             if cut is not None:
                 seek_at = start + formats.TIMESTAMP_STEP_S * (tokens.token_ids[cut] - self.timestamp_begin)
                 if seek_at >= start + SEEK_MIN_PROGRESS_S and window.end - seek_at >= SEEK_MIN_TAIL_S:
-                    tail = window.audio[round((seek_at - window.start) * self.asr.sample_rate):]
+                    tail = window.audio[round((seek_at - window.start) * self.asr.sample_rate) :]
                     ids.append(f"{rid}{attempt}")  # aborted with the others
                     tail_final = await self._final(self.prompt(request, tail, True), params, ids[-1])
                     tail_tokens = tail_final.outputs[0]
@@ -274,15 +296,23 @@ class SpeechServing:
         return out
 
     def segments(self, out: Any, start: float, end: float, upto: int | None = None) -> list[formats.Segment]:
-        logprobs = [(lp.get(t).logprob if lp and lp.get(t) is not None else None)
-                    for t, lp in zip(out.token_ids, out.logprobs or [])]
-        return formats.window_segments(out.token_ids[:upto], logprobs, self._decode,
-                                       timestamp_begin=self.timestamp_begin, eot=self.eot, window_start=start,
-                                       window_end=end)
+        logprobs = [
+            (lp.get(t).logprob if lp and lp.get(t) is not None else None)
+            for t, lp in zip(out.token_ids, out.logprobs or [], strict=False)
+        ]
+        return formats.window_segments(
+            out.token_ids[:upto],
+            logprobs,
+            self._decode,
+            timestamp_begin=self.timestamp_begin,
+            eot=self.eot,
+            window_start=start,
+            window_end=end,
+        )
 
     def _decode(self, tokens: list[int]) -> str:
         assert self.tokenizer is not None
-        return self.tokenizer.decode(tokens)
+        return str(self.tokenizer.decode(tokens))
 
     def separator(self, request: Any) -> str:
         """Between windows' texts: nothing for languages written without spaces, else one space (as vLLM)."""
@@ -325,10 +355,12 @@ class SpeechServing:
                     pieces.append(delta)
                     yield f"data: {TextDeltaEvent(delta=delta).model_dump_json(exclude_none=True)}\n\n"
             text_tokens = sum(prompt_tokens)
-            usage = StreamUsage(input_tokens=text_tokens + audio_tokens, output_tokens=output_tokens,
-                                total_tokens=text_tokens + audio_tokens + output_tokens,
-                                input_token_details=StreamInputTokenDetails(audio_tokens=audio_tokens,
-                                                                            text_tokens=text_tokens))
+            usage = StreamUsage(
+                input_tokens=text_tokens + audio_tokens,
+                output_tokens=output_tokens,
+                total_tokens=text_tokens + audio_tokens + output_tokens,
+                input_token_details=StreamInputTokenDetails(audio_tokens=audio_tokens, text_tokens=text_tokens),
+            )
             done = TextDoneEvent(text="".join(pieces), usage=usage)
             yield f"data: {done.model_dump_json(exclude_none=True)}\n\n"
         except asyncio.CancelledError:
@@ -336,8 +368,14 @@ class SpeechServing:
             raise
         except Exception as exc:  # the status is sent: the error goes as an event, as vLLM's stream does
             logger.exception("mmcpu.stt stream failed")
-            error = {"error": {"message": str(exc) or type(exc).__name__, "type": "InternalServerError",
-                               "param": None, "code": 500}}
+            error = {
+                "error": {
+                    "message": str(exc) or type(exc).__name__,
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            }
             yield f"data: {json.dumps(error)}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -57,8 +57,9 @@ class Shape:
 
     @property
     def flops(self) -> float:
-        return attention.flops(self.b, self.s, self.heads, self.head_size,
-                               list(self.cu_seqlens) if self.cu_seqlens else None)  # fmt: skip
+        return attention.flops(
+            self.b, self.s, self.heads, self.head_size, list(self.cu_seqlens) if self.cu_seqlens else None
+        )
 
 
 def _config(model: str) -> dict:
@@ -75,8 +76,11 @@ def shapes() -> list[Shape]:
     out = []
     for model, default in (("whisper-tiny.en", (384, 6, 1536)), ("whisper-base", (512, 8, 2048))):
         c = _config(model)
-        d, h, ffn = c.get("d_model", default[0]), c.get("encoder_attention_heads", default[1]), \
-            c.get("encoder_ffn_dim", default[2])
+        d, h, ffn = (
+            c.get("d_model", default[0]),
+            c.get("encoder_attention_heads", default[1]),
+            c.get("encoder_ffn_dim", default[2]),
+        )
         s = c.get("max_source_positions", 1500)
         out.append(Shape(model, 1, s, h, d // h, None, (s, d, ffn)))
     for model in ("tiny-llava", "llava-smollm2"):
@@ -118,7 +122,7 @@ def gemm_fns(m: int, k: int, n: int) -> dict[str, object]:
         # [K, N] views of [N, K] weights, as vLLM hands Linear weights to oneDNN
         x, w = torch.randn((m, k), generator=gen).to(dt), torch.randn((n, k), generator=gen).to(dt).t()
         handler = ops.create_onednn_mm(w, 32)
-        fns[name] = (lambda h=handler, x=x: ops.onednn_mm(h, x, None))
+        fns[name] = lambda h=handler, x=x: ops.onednn_mm(h, x, None)
     x = torch.randn((m, k), generator=gen).to(torch.bfloat16)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen).t()
     scales = torch.rand((n, 1), generator=gen, dtype=torch.float32) / 100
@@ -134,13 +138,20 @@ def gemm_fns(m: int, k: int, n: int) -> dict[str, object]:
     return fns
 
 
-def measure(reps: int = 5, names: list[str] | None = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-            log=print) -> dict:  # fmt: skip
+def measure(
+    reps: int = 5, names: list[str] | None = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"), log=print
+) -> dict:
     from mmcpu_dev.bench.runners import CpuWatch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
-    record = {"cpu": cpu.current().as_dict(), "vllm_c": cpu.loaded_vllm_c(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "reps": reps, "shapes": {}}  # fmt: skip
+    record = {
+        "cpu": cpu.current().as_dict(),
+        "vllm_c": cpu.loaded_vllm_c(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "reps": reps,
+        "shapes": {},
+    }
     for shape in shapes():
         if names and shape.name not in names:
             continue
@@ -155,22 +166,31 @@ def measure(reps: int = 5, names: list[str] | None = None, dtypes: tuple[str, ..
             # q, k, v as the models hand them over: views of one fused qkv projection output.
             qkv = torch.randn((shape.b, shape.s, 3 * shape.heads * shape.head_size), generator=gen).to(dt)
             q, k, v = (x.view(shape.b, shape.s, shape.heads, shape.head_size) for x in qkv.chunk(3, dim=-1))
-            impls = [i for i in attention.IMPLS if attention.self_check(i, dt, shape.head_size, shape.heads,
-                                                                          shape.heads) is None or i.startswith("sdpa")]
-            fns = {i: (lambda i=i: attention.encoder_attention(q, k, v, None, cu, impl=i)) for i in impls}
-            fns["auto"] = lambda: attention.encoder_attention(q, k, v, None, cu)
+            impls = [
+                i
+                for i in attention.IMPLS
+                if attention.self_check(i, dt, shape.head_size, shape.heads, shape.heads) is None
+                or i.startswith("sdpa")
+            ]
+            fns = {i: (lambda i=i: attention.encoder_attention(q, k, v, None, cu, impl=i)) for i in impls}  # noqa: B023
+            fns["auto"] = lambda: attention.encoder_attention(q, k, v, None, cu)  # noqa: B023
             fns["gemm"] = gemm[dt_name]
             times: dict[str, list[float]] = {i: [] for i in fns}
             for _ in range(reps):  # interleaved: each round times every implementation once
                 for i, fn in fns.items():
                     times[i].append(_timed(fn))
-            gf = {i: _sig((gemm_flop if i == "gemm" else shape.flops) / statistics.median(t) / 1e9)
-                  for i, t in times.items()}  # fmt: skip
+            gf = {
+                i: _sig((gemm_flop if i == "gemm" else shape.flops) / statistics.median(t) / 1e9)
+                for i, t in times.items()
+            }
             gf["ratio"] = _sig(gf["auto"] / gf["gemm"])
             cuts = shape.cu_seqlens or (0, shape.s)
-            longest = max(y - x for x, y in zip(cuts, cuts[1:]))
-            gf["auto_is"] = "sdpa_strided" if longest * longest < attention.MIN_WORK else \
-                attention.choose(dt, shape.head_size, shape.heads, shape.heads)
+            longest = max(y - x for x, y in zip(cuts, cuts[1:], strict=False))
+            gf["auto_is"] = (
+                "sdpa_strided"
+                if longest * longest < attention.MIN_WORK
+                else attention.choose(dt, shape.head_size, shape.heads, shape.heads)
+            )
             row[dt_name] = gf
         if "bfloat16" in dtypes:
             t = [_timed(gemm["int8"]) for _ in range(reps)]
@@ -221,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     info = cpu.current()
     print(f"CPU: {info.line()}; torch {torch.__version__}; load {os.getloadavg()[0]:.2f}", flush=True)
-    record = measure(args.reps, [n for n in args.shapes.split(",") if n] or None,
-                     log=lambda line: print(line, flush=True))  # fmt: skip
+    record = measure(
+        args.reps, [n for n in args.shapes.split(",") if n] or None, log=lambda line: print(line, flush=True)
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.json}")

@@ -30,15 +30,21 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from mmcpu.config import REPO_ROOT, get_settings
 
-METRICS = ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
-           "request_decode_time_seconds", "request_inference_time_seconds", "time_to_first_token_seconds",
-           "inter_token_latency_seconds", "request_generation_tokens")  # fmt: skip
+METRICS = (
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "request_generation_tokens",
+)
 
 OV_SCRIPT = r"""
 import json, sys, time
@@ -132,7 +138,7 @@ def front_end_parts(clips: list, model: Path, reps: int) -> dict[str, float]:
     return {"audio_decode_ms": 1e3 * statistics.median(dec), "features_ms": 1e3 * statistics.median(feat)}
 
 
-def pids_of(eng) -> tuple[int | None, int | None]:  # noqa: ANN001
+def pids_of(eng) -> tuple[int | None, int | None]:
     import psutil
 
     api = core = None
@@ -166,8 +172,11 @@ def ours(clips: list, reps: int, out: Path, pyspy: Path | None, runner: str = "v
         load0 = os.getloadavg()[0]
         walls, texts, profs = [], [], []
         if pyspy:
-            profs = [Profiler(pyspy, pid, out / f"c1profile-{name}.txt", rate=200)
-                     for name, pid in (("api", api), ("core", core)) if pid]  # fmt: skip
+            profs = [
+                Profiler(pyspy, pid, out / f"c1profile-{name}.txt", rate=200)
+                for name, pid in (("api", api), ("core", core))
+                if pid
+            ]
             for p in profs:
                 p.__enter__()
         try:
@@ -181,9 +190,15 @@ def ours(clips: list, reps: int, out: Path, pyspy: Path | None, runner: str = "v
                 p.__exit__(None, None, None)
         elapsed = time.monotonic() - t0
         after = scrape(eng.base_url)
-        res = {"model": str(model), "runner": runner, "args": list(args), "load": [load0, os.getloadavg()[0]],
-               "other_cores": round(other_cores({p for p in (api, core) if p}, elapsed, marks), 2),
-               "wall_ms": [1e3 * w for w in walls], "texts": texts}  # fmt: skip
+        res = {
+            "model": str(model),
+            "runner": runner,
+            "args": list(args),
+            "load": [load0, os.getloadavg()[0]],
+            "other_cores": round(other_cores({p for p in (api, core) if p}, elapsed, marks), 2),
+            "wall_ms": [1e3 * w for w in walls],
+            "texts": texts,
+        }
         for name in METRICS:
             res[name] = mean_of(before, after, name)
         res["front_end"] = front_end_parts(clips, model, reps)
@@ -196,8 +211,12 @@ def openvino(clips: list, reps: int, ir: Path, threads: int) -> dict:
     py = REPO_ROOT / ".cache" / "peers" / "openvino" / "bin" / "python"
     load0 = os.getloadavg()[0]
     spec = json.dumps({"clips": [str(c.path) for c in clips], "reps": reps})
-    text = subprocess.run([str(py), "-P", "-c", OV_SCRIPT, str(ir), spec, str(REPO_ROOT / "mmcpu_dev" / "bench"),
-                           str(threads)], check=True, capture_output=True, text=True).stdout  # fmt: skip
+    text = subprocess.run(
+        [str(py), "-P", "-c", OV_SCRIPT, str(ir), spec, str(REPO_ROOT / "mmcpu_dev" / "bench"), str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     rows = json.loads(text.strip().splitlines()[-1])
     return {"ir": str(ir), "load": [load0, os.getloadavg()[0]], "rows": rows}
 
@@ -213,23 +232,27 @@ def table(o: dict, v: dict) -> list[str]:
     e2e, wall = 1e3 * o["e2e_request_latency_seconds"], statistics.mean(o["wall_ms"])
     itl, tok = 1e3 * o["inter_token_latency_seconds"], o["request_generation_tokens"]
     prefill = 1e3 * o["request_prefill_time_seconds"]
-    lines = ["| part | ours ms | OpenVINO GenAI ms |", "|---|---|---|",
-             f"| one request, wall (p50) | {med(o['wall_ms']):.1f} | {ov['wall_ms']:.1f} (generate {ov['generate_ms']:.1f}) |",
-             f"| one request, wall (mean) | {wall:.1f} | {statistics.mean(r['wall_ms'] for r in rows):.1f} |",
-             f"| outside the engine: API server, HTTP, ZMQ hop (mean wall - mean engine e2e) | {wall - e2e:.1f} | - |",
-             f"| . audio decoding (alone) | {fe['audio_decode_ms']:.1f} | - (given samples) |",
-             f"| . feature extraction (alone) | {fe['features_ms']:.1f} | {ov['features_ms']:.1f} |",
-             f"| engine, end to end (vLLM e2e latency) | {e2e:.1f} | - |",
-             f"| . queue | {1e3 * o['request_queue_time_seconds']:.1f} | - |",
-             f"| . prefill: encoder + first decoder step | {prefill:.1f} | {ov['encoder_ms']:.1f} encoder + "
-             f"{ov['tpot_ms']:.1f} step |",
-             f"| . encoder (prefill - one step) | {prefill - itl:.1f} | {ov['encoder_ms']:.1f} |",
-             f"| . decode, all steps | {1e3 * o['request_decode_time_seconds']:.1f} | {ov['decoder_ms']:.1f} "
-             f"(all decoder inference) |",
-             f"| . one decode step (vLLM inter-token latency / OpenVINO TPOT) | {itl:.2f} | {ov['tpot_ms']:.2f} "
-             f"(decoder inference alone {ov['decode_step_ms']:.2f}) |",
-             f"| generated tokens per request (mean) | {tok:.1f} | {ov['tokens']:.1f} |",
-             f"| detokenisation | (in the API server) | {ov['detok_ms']:.2f} |"]  # fmt: skip
+    lines = [
+        "| part | ours ms | OpenVINO GenAI ms |",
+        "|---|---|---|",
+        f"| one request, wall (p50) | {med(o['wall_ms']):.1f} | {ov['wall_ms']:.1f} "
+        f"(generate {ov['generate_ms']:.1f}) |",
+        f"| one request, wall (mean) | {wall:.1f} | {statistics.mean(r['wall_ms'] for r in rows):.1f} |",
+        f"| outside the engine: API server, HTTP, ZMQ hop (mean wall - mean engine e2e) | {wall - e2e:.1f} | - |",
+        f"| . audio decoding (alone) | {fe['audio_decode_ms']:.1f} | - (given samples) |",
+        f"| . feature extraction (alone) | {fe['features_ms']:.1f} | {ov['features_ms']:.1f} |",
+        f"| engine, end to end (vLLM e2e latency) | {e2e:.1f} | - |",
+        f"| . queue | {1e3 * o['request_queue_time_seconds']:.1f} | - |",
+        f"| . prefill: encoder + first decoder step | {prefill:.1f} | {ov['encoder_ms']:.1f} encoder + "
+        f"{ov['tpot_ms']:.1f} step |",
+        f"| . encoder (prefill - one step) | {prefill - itl:.1f} | {ov['encoder_ms']:.1f} |",
+        f"| . decode, all steps | {1e3 * o['request_decode_time_seconds']:.1f} | {ov['decoder_ms']:.1f} "
+        f"(all decoder inference) |",
+        f"| . one decode step (vLLM inter-token latency / OpenVINO TPOT) | {itl:.2f} | {ov['tpot_ms']:.2f} "
+        f"(decoder inference alone {ov['decode_step_ms']:.2f}) |",
+        f"| generated tokens per request (mean) | {tok:.1f} | {ov['tokens']:.1f} |",
+        f"| detokenisation | (in the API server) | {ov['detok_ms']:.2f} |",
+    ]
     return lines
 
 
@@ -259,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         pyspy = REPO_ROOT / ".cache" / "bench-venv" / "bin" / "py-spy" if args.pyspy else None
         res["ours"] = ours(clips, args.reps, args.out, pyspy, args.runner)
         print("\n".join(table(res["ours"], res["openvino"])))
-        print(f"load ours {res['ours']['load']}, other cores {res['ours']['other_cores']}; "
-              f"openvino {res['openvino']['load']}")
+        print(
+            f"load ours {res['ours']['load']}, other cores {res['ours']['other_cores']}; "
+            f"openvino {res['openvino']['load']}"
+        )
     (args.json or args.out / "c1profile.json").write_text(json.dumps(res, indent=1))
     return 0

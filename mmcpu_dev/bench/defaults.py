@@ -18,7 +18,8 @@ from pathlib import Path
 from mmcpu import cpu, defaults
 from mmcpu.config import Settings, get_settings
 from mmcpu.defaults import Candidate, Choice, Row
-from mmcpu_dev.bench import inputs, plan as plans
+from mmcpu_dev.bench import inputs
+from mmcpu_dev.bench import plan as plans
 from mmcpu_dev.bench.rule import pick, score
 from mmcpu_dev.bench.run import vision_requests
 from mmcpu_dev.bench.runners import Http, log, undisturbed
@@ -39,8 +40,15 @@ def candidates(role: str, settings: Settings, isa: str) -> list[tuple[Choice, Pa
     return out
 
 
-FATAL = [re.compile(p) for p in (r"Fatal Python error", r"Segmentation fault|Illegal instruction|Aborted",
-                                 r"EngineCore.*(died|failed|dead)", r"^\S*Error: ")]
+FATAL = [
+    re.compile(p)
+    for p in (
+        r"Fatal Python error",
+        r"Segmentation fault|Illegal instruction|Aborted",
+        r"EngineCore.*(died|failed|dead)",
+        r"^\S*Error: ",
+    )
+]
 
 
 def death(engine: Engine, what: str) -> str:
@@ -80,7 +88,7 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
             eng = Engine(model, logs / f"defaults-{role}-{key}.log", vllm_args=[*role_args, "--dtype", choice.dtype])
             try:
                 engines[key] = eng.start()
-            except Exception as e:  # noqa: BLE001 - recorded as the candidate's error
+            except Exception as e:
                 fail(key, eng, f"did not start: {first_line(e)}")
         clips = inputs.clips(plans.workload(), settings.cache_dir / "bench" / "clips")
         chats = vision_requests(48)  # 48: a round of the benchmark's 16 takes ~1 s, too short against the noise
@@ -88,7 +96,7 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
         for key, http in https.items():  # the first request pays lazy initialisation; it is not timed
             try:
                 http.transcribe(clips[0]) if role == "audio" else http.chat([test_image(1)])
-            except Exception as e:  # noqa: BLE001 - recorded as the candidate's error
+            except Exception as e:
                 fail(key, engines[key], f"first request failed: {first_line(e)}")
         rounds: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
         for n, c in enumerate(LEVELS[role]):
@@ -97,12 +105,18 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
                 shift = (n * reps + rep) % max(len(live), 1)
                 for key in live[shift:] + live[:shift]:
                     http = https[key]
-                    rnd, load = undisturbed(lambda http=http, c=c: http.audio_round(clips, c) if role == "audio"
-                                            else http.vision_round(chats, c), f"{role} {key} c={c}")  # fmt: skip
+                    rnd, load = undisturbed(
+                        lambda http=http, c=c: (
+                            http.audio_round(clips, c) if role == "audio" else http.vision_round(chats, c)
+                        ),
+                        f"{role} {key} c={c}",
+                    )
                     s = rnd.summary()
-                    log(f"{role} {key:16s} c={c} {s.ok}/{s.n} ok, {s.throughput or s.rps:.2f} "
+                    log(
+                        f"{role} {key:16s} c={c} {s.ok}/{s.n} ok, {s.throughput or s.rps:.2f} "
                         f"{'audio-s/s' if role == 'audio' else 'rps'} (load {load['loadavg_1m']}, foreign "
-                        f"{load['foreign_cores']} cores)")
+                        f"{load['foreign_cores']} cores)"
+                    )
                     if s.failures:
                         fail(key, engines[key], f"{s.failures} of {s.n} requests failed at c={c}: {s.errors}")
                         continue
@@ -118,8 +132,13 @@ def measure_role(role: str, settings: Settings, isa: str, reps: int, logs: Path)
         merged = {c: merge_rounds(rs) for c, rs in rounds[key].items()}
         metric = "throughput" if role == "audio" else "rps"
         samples = [s for rs in rounds[key].values() for r in rs for s in r.samples]
-        out.append(Candidate(choice=choice, throughput={c: round(getattr(m, metric), 3) for c, m in merged.items()},
-                             wer=round(wer(samples), 4) if role == "audio" else None))  # fmt: skip
+        out.append(
+            Candidate(
+                choice=choice,
+                throughput={c: round(getattr(m, metric), 3) for c, m in merged.items()},
+                wer=round(wer(samples), 4) if role == "audio" else None,
+            )
+        )
     return out
 
 
@@ -133,12 +152,15 @@ def run(reps: int, dry_run: bool = False, roles: tuple[str, ...] = ("audio", "vi
     kept = defaults.table().rows[info.isa].candidates
     if missing := [r for r in ("audio", "vision") if r not in roles and r not in kept]:
         raise SystemExit(f"error: the {info.isa} row has no measured {', '.join(missing)} candidates to keep")
-    measured = {role: measure_role(role, settings, info.isa, reps, logs) if role in roles else kept[role]
-                for role in ("audio", "vision")}  # fmt: skip
+    measured = {
+        role: measure_role(role, settings, info.isa, reps, logs) if role in roles else kept[role]
+        for role in ("audio", "vision")
+    }
     ref = next(c for c in measured["audio"] if c.choice == Choice(dtype="float32"))
     if ref.error:
-        raise SystemExit(f"error: the audio role's float32 reference failed, nothing to hold the others against: "
-                         f"{ref.error}")
+        raise SystemExit(
+            f"error: the audio role's float32 reference failed, nothing to hold the others against: {ref.error}"
+        )
     chosen = {role: pick(role, cands) for role, cands in measured.items()}
     lines = []
     for role, cands in measured.items():
@@ -147,14 +169,24 @@ def run(reps: int, dry_run: bool = False, roles: tuple[str, ...] = ("audio", "vi
             if c.error:
                 lines.append(f"{role} {c.choice.dtype}/{c.choice.quantization}: failed ({c.error})")
                 continue
-            lines.append(f"{role} {c.choice.dtype}/{c.choice.quantization}: {figs}"
-                         + (f", WER {c.wer:.3f}" if c.wer is not None else "")
-                         + (f" ({score(c) / score(ref):.2f}x float32)" if role == "audio" else ""))
-    evidence = (f"`python -m mmcpu_dev.bench defaults`, {reps} round(s) per level and candidate, rounds rotating "
-                f"between the candidates' engines; audio in audio-s/s on the fixed workload "
-                f"({len(plans.workload())} requests), vision in requests/s: " + "; ".join(lines))
-    row = Row(audio=chosen["audio"], vision=chosen["vision"], measured_on=info.line(),
-              date=dt.date.today().isoformat(), evidence=evidence, candidates=measured)
+            lines.append(
+                f"{role} {c.choice.dtype}/{c.choice.quantization}: {figs}"
+                + (f", WER {c.wer:.3f}" if c.wer is not None else "")
+                + (f" ({score(c) / score(ref):.2f}x float32)" if role == "audio" else "")
+            )
+    evidence = (
+        f"`python -m mmcpu_dev.bench defaults`, {reps} round(s) per level and candidate, rounds rotating "
+        f"between the candidates' engines; audio in audio-s/s on the fixed workload "
+        f"({len(plans.workload())} requests), vision in requests/s: " + "; ".join(lines)
+    )
+    row = Row(
+        audio=chosen["audio"],
+        vision=chosen["vision"],
+        measured_on=info.line(),
+        date=dt.date.today().isoformat(),
+        evidence=evidence,
+        candidates=measured,
+    )
     print(json.dumps({info.isa: row.model_dump(mode="json")}, indent=2))
     if not dry_run:
         data = json.loads(defaults.TABLE_PATH.read_text())

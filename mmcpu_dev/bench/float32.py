@@ -24,11 +24,19 @@ import time
 from pathlib import Path
 
 SHAPES = {  # name: (M, K, N)
-    "tiny enc qkv": (1500, 384, 1152), "tiny enc out": (1500, 384, 384), "tiny enc fc1": (1500, 384, 1536),
-    "tiny enc fc2": (1500, 1536, 384), "tiny dec fc1 M=1": (1, 384, 1536), "tiny dec fc2 M=1": (1, 1536, 384),
-    "tiny dec fc1 M=8": (8, 384, 1536), "tiny lm head M=1": (1, 384, 51864),
-    "base enc qkv": (1500, 512, 1536), "base enc fc1": (1500, 512, 2048), "base enc fc2": (1500, 2048, 512),
-    "base dec fc1 M=1": (1, 512, 2048), "base lm head M=1": (1, 512, 51865),
+    "tiny enc qkv": (1500, 384, 1152),
+    "tiny enc out": (1500, 384, 384),
+    "tiny enc fc1": (1500, 384, 1536),
+    "tiny enc fc2": (1500, 1536, 384),
+    "tiny dec fc1 M=1": (1, 384, 1536),
+    "tiny dec fc2 M=1": (1, 1536, 384),
+    "tiny dec fc1 M=8": (8, 384, 1536),
+    "tiny lm head M=1": (1, 384, 51864),
+    "base enc qkv": (1500, 512, 1536),
+    "base enc fc1": (1500, 512, 2048),
+    "base enc fc2": (1500, 2048, 512),
+    "base dec fc1 M=1": (1, 512, 2048),
+    "base lm head M=1": (1, 512, 51865),
 }
 
 
@@ -77,10 +85,18 @@ def measure(names: list[str], reps: int, min_s: float, threads: int, log=print) 
                         break
                 times[p].append(el / count)
         flop = 2.0 * m * k * n
-        out[name] = {p: {"best": round(flop / min(t) / 1e9, 1), "median": round(flop / statistics.median(t) / 1e9, 1),
-                         "ms": round(1e3 * statistics.median(t), 3)} for p, t in times.items()}  # fmt: skip
-        log(f"{name:18} {m}x{k} @ {k}x{n}: " + ", ".join(
-            f"{p} {v['median']} ({v['best']} best) GFLOP/s" for p, v in out[name].items()))
+        out[name] = {
+            p: {
+                "best": round(flop / min(t) / 1e9, 1),
+                "median": round(flop / statistics.median(t) / 1e9, 1),
+                "ms": round(1e3 * statistics.median(t), 3),
+            }
+            for p, t in times.items()
+        }
+        log(
+            f"{name:18} {m}x{k} @ {k}x{n}: "
+            + ", ".join(f"{p} {v['median']} ({v['best']} best) GFLOP/s" for p, v in out[name].items())
+        )
     return out
 
 
@@ -101,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     others = (other_cpu_s() - other0) / (time.monotonic() - t0)
     print(f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}; other processes used {others:.2f} cores on average")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": describe(), "load": [load0, os.getloadavg()[0]],
-                                         "other_cores": round(others, 2), "shapes": res}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "cpu": describe(),
+                    "load": [load0, os.getloadavg()[0]],
+                    "other_cores": round(others, 2),
+                    "shapes": res,
+                },
+                indent=1,
+            )
+        )
     return 0

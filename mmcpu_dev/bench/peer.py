@@ -36,7 +36,7 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def read_wav(path: str):  # noqa: ANN201 - numpy is the peer venv's, not imported at module level
+def read_wav(path: str):
     """A 16-bit PCM WAV (the workload's clips) as float32 in [-1, 1]: the input OpenVINO and whisper.cpp take."""
     import wave
 
@@ -58,7 +58,7 @@ class Pool:
         for r in replicas:
             self.free.put(r)
 
-    def __call__(self, fn):  # noqa: ANN001, ANN204
+    def __call__(self, fn):
         replica = self.free.get()
         try:
             return fn(replica)
@@ -66,15 +66,16 @@ class Pool:
             self.free.put(replica)
 
 
-def fw_backend(model_dir: Path, compute_type: str):  # noqa: ANN201
+def fw_backend(model_dir: Path, compute_type: str):
     import ctranslate2
     import faster_whisper
     from faster_whisper import BatchedInferencePipeline, WhisperModel
 
-    def load(threads: int, workers: int):  # noqa: ANN202
+    def load(threads: int, workers: int):
         # num_workers = model replicas that transcribe concurrently, each with cpu_threads threads.
-        model = WhisperModel(str(model_dir), device="cpu", compute_type=compute_type, cpu_threads=threads,
-                             num_workers=workers)
+        model = WhisperModel(
+            str(model_dir), device="cpu", compute_type=compute_type, cpu_threads=threads, num_workers=workers
+        )
 
         def transcribe(path: str, batch: int) -> str:
             # The same decoding as vLLM's transcription endpoint: greedy, no timestamps, no temperature fallback.
@@ -88,8 +89,7 @@ def fw_backend(model_dir: Path, compute_type: str):  # noqa: ANN201
         return transcribe
 
     isa = os.environ.get("CT2_FORCE_CPU_ISA") or "default"
-    return load, {"faster-whisper": faster_whisper.__version__, "ctranslate2": ctranslate2.__version__,
-                  "ct2_isa": isa}
+    return load, {"faster-whisper": faster_whisper.__version__, "ctranslate2": ctranslate2.__version__, "ct2_isa": isa}
 
 
 def ov_config(threads: int, workers: int) -> dict[str, object]:
@@ -102,34 +102,46 @@ def ov_config(threads: int, workers: int) -> dict[str, object]:
     return config
 
 
-def ov_backend(ir_dir: Path):  # noqa: ANN201
+def ov_backend(ir_dir: Path):
     import openvino
     import openvino_genai
 
-    def load(threads: int, workers: int):  # noqa: ANN202
+    def load(threads: int, workers: int):
         # One WhisperPipeline per replica, each with its own inference threads (latency hint: one stream each).
-        pool = Pool([openvino_genai.WhisperPipeline(str(ir_dir), "CPU", **ov_config(threads, workers))
-                     for _ in range(workers)])
+        pool = Pool(
+            [openvino_genai.WhisperPipeline(str(ir_dir), "CPU", **ov_config(threads, workers)) for _ in range(workers)]
+        )
 
         def transcribe(path: str, batch: int) -> str:
             audio = read_wav(path)
             # greedy (num_beams 1), no timestamps, English; tiny.en has no language token
-            return pool(lambda p: str(p.generate(audio, max_new_tokens=440, num_beams=1,
-                                                 return_timestamps=False))).strip()
+            return pool(
+                lambda p: str(p.generate(audio, max_new_tokens=440, num_beams=1, return_timestamps=False))
+            ).strip()
 
         return transcribe
 
     return load, {"openvino-genai": openvino_genai.__version__.split("-")[0], "openvino": openvino.__version__}
 
 
-def wcpp_backend(ggml_bin: Path):  # noqa: ANN201
+def wcpp_backend(ggml_bin: Path):
     from importlib import metadata
 
     from pywhispercpp.model import Model
 
-    def load(threads: int, workers: int):  # noqa: ANN202
-        pool = Pool([Model(str(ggml_bin), n_threads=threads, print_progress=False, print_realtime=False,
-                           redirect_whispercpp_logs_to=None) for _ in range(workers)])
+    def load(threads: int, workers: int):
+        pool = Pool(
+            [
+                Model(
+                    str(ggml_bin),
+                    n_threads=threads,
+                    print_progress=False,
+                    print_realtime=False,
+                    redirect_whispercpp_logs_to=None,
+                )
+                for _ in range(workers)
+            ]
+        )
         # greedy, no timestamps, English, no temperature fallback (temperature_inc 0): as the others decode
         opts = dict(language="en", no_timestamps=True, temperature=0.0, temperature_inc=0.0, no_context=True)
 
@@ -154,14 +166,35 @@ def fw_reference(model_dir: Path, compute_type: str) -> int:
     results = []
     for path in req["files"]:
         segments, info = model.transcribe(path, **req["options"])
-        segs = [{"id": s.id, "start": s.start, "end": s.end, "text": s.text,
-                 "words": None if s.words is None else [{"word": w.word, "start": w.start, "end": w.end,
-                                                         "probability": w.probability} for w in s.words]}
-                for s in segments]  # fmt: skip
-        results.append({"text": "".join(s["text"] for s in segs).strip(), "language": info.language,
-                        "duration": info.duration, "segments": segs})
-    proto.write(json.dumps({"versions": {"faster-whisper": faster_whisper.__version__,
-                                         "ctranslate2": ctranslate2.__version__}, "results": results}) + "\n")
+        segs = [
+            {
+                "id": s.id,
+                "start": s.start,
+                "end": s.end,
+                "text": s.text,
+                "words": None
+                if s.words is None
+                else [{"word": w.word, "start": w.start, "end": w.end, "probability": w.probability} for w in s.words],
+            }
+            for s in segments
+        ]
+        results.append(
+            {
+                "text": "".join(s["text"] for s in segs).strip(),
+                "language": info.language,
+                "duration": info.duration,
+                "segments": segs,
+            }
+        )
+    proto.write(
+        json.dumps(
+            {
+                "versions": {"faster-whisper": faster_whisper.__version__, "ctranslate2": ctranslate2.__version__},
+                "results": results,
+            }
+        )
+        + "\n"
+    )
     return 0
 
 
@@ -169,28 +202,35 @@ def serve(kind: str, model: Path, compute_type: str | None) -> int:
     # The protocol owns the real stdout; anything a library prints goes to stderr instead.
     proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr
-    load, versions = {"fw": lambda: fw_backend(model, compute_type), "ov": lambda: ov_backend(model),
-                      "wcpp": lambda: wcpp_backend(model)}[kind]()  # fmt: skip
+    load, versions = {
+        "fw": lambda: fw_backend(model, compute_type),
+        "ov": lambda: ov_backend(model),
+        "wcpp": lambda: wcpp_backend(model),
+    }[kind]()
     loaded: dict[tuple[int, int], object] = {}
 
-    def model_for(threads: int, workers: int):  # noqa: ANN202
+    def model_for(threads: int, workers: int):
         if (threads, workers) not in loaded:
             if kind != "fw":  # one pool at a time: W replicas of every configuration tried would add up
                 loaded.clear()
             loaded[threads, workers] = load(threads, workers)
         return loaded[threads, workers]
 
-    def timed(transcribe, path: str, batch: int) -> dict:  # noqa: ANN001
+    def timed(transcribe, path: str, batch: int) -> dict:
         t0 = time.perf_counter()
         try:
             text = transcribe(path, batch)
             return {"latency_s": time.perf_counter() - t0, "text": text, "error": None}
-        except Exception as exc:  # noqa: BLE001 - a failed request is a data point, not a crash
+        except Exception as exc:
             return {"latency_s": time.perf_counter() - t0, "text": None, "error": f"{type(exc).__name__}: {exc}"}
 
     model_for(1, 1)
-    proto.write(json.dumps({"ready": True, "pid": os.getpid(), "compute_type": compute_type, "cpus": _cpus(),
-                            "versions": versions}) + "\n")  # fmt: skip
+    proto.write(
+        json.dumps(
+            {"ready": True, "pid": os.getpid(), "compute_type": compute_type, "cpus": _cpus(), "versions": versions}
+        )
+        + "\n"
+    )
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "quit":
@@ -207,7 +247,7 @@ def serve(kind: str, model: Path, compute_type: str | None) -> int:
             transcribe(req["files"][0], batch)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=conc) as pool:
-            results = list(pool.map(lambda f: timed(transcribe, f, batch), req["files"]))
+            results = list(pool.map(lambda f: timed(transcribe, f, batch), req["files"]))  # noqa: B023
         proto.write(json.dumps({"wall_s": time.perf_counter() - t0, "results": results}) + "\n")
     return 0
 
@@ -228,8 +268,13 @@ def plot(results_path: Path, out: Path) -> int:
             continue
         levels_seen |= {c for c, _ in points}
         ours = system["spec"].get("ours")
-        ax.plot([c for c, _ in points], [t for _, t in points], marker=next(markers, "o"),
-                linewidth=2.5 if ours else 1.2, label=system["spec"]["label"] + (" (ours)" if ours else ""))
+        ax.plot(
+            [c for c, _ in points],
+            [t for _, t in points],
+            marker=next(markers, "o"),
+            linewidth=2.5 if ours else 1.2,
+            label=system["spec"]["label"] + (" (ours)" if ours else ""),
+        )
     ax.set_xscale("log", base=2)
     if levels_seen:
         ax.set_xticks(sorted(levels_seen), [str(c) for c in sorted(levels_seen)])
@@ -237,8 +282,11 @@ def plot(results_path: Path, out: Path) -> int:
     ax.set_ylabel("throughput (audio seconds / wall second)")
     cpu, meta = results.get("cpu", {}), results.get("meta", {})
     n = len(results.get("plan", {}).get("requests", []))
-    ax.set_title(f"{cpu.get('model', '?')} ({cpu.get('isa', '?')}), {cpu.get('cpus', '?')} CPUs, "
-                 f"load {meta.get('loadavg_start', '?')}\nthe same {n} requests at every level", fontsize=9)
+    ax.set_title(
+        f"{cpu.get('model', '?')} ({cpu.get('isa', '?')}), {cpu.get('cpus', '?')} CPUs, "
+        f"load {meta.get('loadavg_start', '?')}\nthe same {n} requests at every level",
+        fontsize=9,
+    )
     ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
@@ -267,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "plot":
         return plot(args.json, args.out)
-    need = {"fw": args.model / "model.bin", "fw-ref": args.model / "model.bin", "ov": args.model / "openvino_encoder_model.xml", "wcpp": args.model}
+    need = {
+        "fw": args.model / "model.bin",
+        "fw-ref": args.model / "model.bin",
+        "ov": args.model / "openvino_encoder_model.xml",
+        "wcpp": args.model,
+    }
     if not need[args.cmd].is_file():
         print(f"error: {need[args.cmd]} missing", file=sys.stderr)
         return 2

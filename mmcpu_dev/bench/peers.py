@@ -75,16 +75,24 @@ class Setup:
         with self.log_path.open("a") as log:
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
-            done = subprocess.run([*NICE, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, **(env or {})}, cwd=cwd)  # fmt: skip
+            done = subprocess.run(
+                [*NICE, *cmd],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, **(env or {})},
+                cwd=cwd,
+            )
             log.write(done.stdout)
         if done.returncode != 0:
             tail = [ln for ln in done.stdout.strip().splitlines() if ln.strip()][-4:]
-            raise PeerUnavailable(f"`{' '.join(cmd[:6])}{' ...' if len(cmd) > 6 else ''}` exited "
-                                  f"{done.returncode}: " + " | ".join(t.strip() for t in tail))  # fmt: skip
+            raise PeerUnavailable(
+                f"`{' '.join(cmd[:6])}{' ...' if len(cmd) > 6 else ''}` exited "
+                f"{done.returncode}: " + " | ".join(t.strip() for t in tail)
+            )
         return done.stdout
 
-    def step(self, name: str, fn):  # noqa: ANN001, ANN201 - one named step, its failure remembered
+    def step(self, name: str, fn):
         if name in self.errors:
             raise PeerUnavailable(self.errors[name])
         try:
@@ -116,8 +124,11 @@ class Setup:
 
     def export_venv(self) -> Path:
         # PyPI's torchvision (pulled in by a dependency) beside torch+cpu breaks transformers' imports
-        return self.venv("openvino-export", "openvino-export.txt",
-                         then=[["{py}", "-m", "pip", "uninstall", "-y", "-q", "torchvision"]])
+        return self.venv(
+            "openvino-export",
+            "openvino-export.txt",
+            then=[["{py}", "-m", "pip", "uninstall", "-y", "-q", "torchvision"]],
+        )
 
     def openvino_venv(self) -> Path:
         return self.venv("openvino", "openvino.txt")
@@ -133,8 +144,21 @@ class Setup:
         def fetch() -> Path:
             dl = self.root / "src" / "dl"
             shutil.rmtree(dl, ignore_errors=True)
-            self.run([self.python, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", name,
-                      f"{name}=={version}", "-d", str(dl)])  # fmt: skip
+            self.run(
+                [
+                    self.python,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--no-binary",
+                    name,
+                    f"{name}=={version}",
+                    "-d",
+                    str(dl),
+                ]
+            )
             (sdist,) = [p for p in dl.iterdir() if p.name.endswith(".tar.gz")]
             shutil.rmtree(out, ignore_errors=True)
             tmp = out.with_name(out.name + ".tmp")
@@ -161,9 +185,15 @@ class Setup:
         cmake = "-DGGML_NATIVE=ON -DCMAKE_INSTALL_RPATH=$ORIGIN -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"
         no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         env = {"CMAKE_ARGS": cmake, "CFLAGS": no_amx, "CXXFLAGS": no_amx, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-        return self.venv("whispercpp", "whispercpp.txt", env=env,
-                         then=[["{py}", "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", str(sdist)],
-                               ["{py}", "-c", "import pywhispercpp.model"]])  # fmt: skip
+        return self.venv(
+            "whispercpp",
+            "whispercpp.txt",
+            env=env,
+            then=[
+                ["{py}", "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", str(sdist)],
+                ["{py}", "-c", "import pywhispercpp.model"],
+            ],
+        )
 
     def whispercpp_quantize(self) -> Path:
         """whisper.cpp's quantize tool, built from the same sdist's whisper.cpp (static, for this CPU)."""
@@ -176,9 +206,22 @@ class Setup:
 
         def make() -> Path:
             shutil.rmtree(build, ignore_errors=True)
-            self.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                      "-DBUILD_SHARED_LIBS=OFF", "-DWHISPER_BUILD_EXAMPLES=ON", "-DWHISPER_BUILD_TESTS=OFF",
-                      "-DWHISPER_SDL2=OFF", "-DWHISPER_CURL=OFF"])  # fmt: skip
+            self.run(
+                [
+                    "cmake",
+                    "-S",
+                    str(src),
+                    "-B",
+                    str(build),
+                    "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON",
+                    "-DBUILD_SHARED_LIBS=OFF",
+                    "-DWHISPER_BUILD_EXAMPLES=ON",
+                    "-DWHISPER_BUILD_TESTS=OFF",
+                    "-DWHISPER_SDL2=OFF",
+                    "-DWHISPER_CURL=OFF",
+                ]
+            )
             self.run(["cmake", "--build", str(build), "--target", "whisper-quantize", "-j", "2"])
             stamp(build, key)
             return tool
@@ -190,7 +233,7 @@ class Setup:
         return self.sources("openai-whisper")
 
     # --- converted weights -------------------------------------------------------------------------------------
-    def converted(self, name: str, checkpoint: Path, build, *tool: object) -> Path:  # noqa: ANN001
+    def converted(self, name: str, checkpoint: Path, build, *tool: object) -> Path:
         """CACHE/peers/weights/NAME, built by ``build(tmp_folder)`` once per checkpoint and tool."""
         out = self.root / "weights" / name
         marker = checkpoint / "mmcpu-fixture.json"
@@ -215,11 +258,23 @@ class Setup:
             raise PeerUnavailable(f"{checkpoint} missing (run `make models`)")
         py = self.export_venv()
         cli = py.parent / "optimum-cli"
-        cmd = ["export", "openvino", "--model", str(checkpoint), "--task", "automatic-speech-recognition-with-past",
-               "--weight-format", weights]  # fmt: skip
-        return self.converted(f"{checkpoint.name}-ov-{weights}", checkpoint,
-                              lambda tmp: self.run([str(cli), *cmd, str(tmp)], env={"HF_HUB_OFFLINE": "1"}),
-                              cmd, (REQS / "openvino-export.txt").read_text())  # fmt: skip
+        cmd = [
+            "export",
+            "openvino",
+            "--model",
+            str(checkpoint),
+            "--task",
+            "automatic-speech-recognition-with-past",
+            "--weight-format",
+            weights,
+        ]
+        return self.converted(
+            f"{checkpoint.name}-ov-{weights}",
+            checkpoint,
+            lambda tmp: self.run([str(cli), *cmd, str(tmp)], env={"HF_HUB_OFFLINE": "1"}),
+            cmd,
+            (REQS / "openvino-export.txt").read_text(),
+        )
 
     def ggml(self, checkpoint: Path, weights: str) -> Path:
         """The ggml model file: f16 by whisper.cpp's converter, q8_0 quantised from it by its quantize tool."""
@@ -240,9 +295,13 @@ class Setup:
             return folder / "ggml-model.bin"
         f16 = self.ggml(checkpoint, "f16")
         tool = self.whispercpp_quantize()
-        folder = self.converted(f"{checkpoint.name}-ggml-{weights}", checkpoint,
-                                lambda tmp: self.run([str(tool), str(f16), str(tmp / "ggml-model.bin"), weights]),
-                                src.parent.name, weights)  # fmt: skip
+        folder = self.converted(
+            f"{checkpoint.name}-ggml-{weights}",
+            checkpoint,
+            lambda tmp: self.run([str(tool), str(f16), str(tmp / "ggml-model.bin"), weights]),
+            src.parent.name,
+            weights,
+        )
         return folder / "ggml-model.bin"
 
     # --- per system --------------------------------------------------------------------------------------------

@@ -109,8 +109,9 @@ def role_engine(role: str, settings: Settings) -> tuple[Path, list[str], list[st
     opts = pairs(full)
     model = dict(opts)["--model"]
     serve = set(pairs(launch.engine_argv(model, settings, port=int(dict(opts)["--port"]))[3:]))
-    extra = [x for o in opts if o not in serve and o[0] not in ("--served-model-name", "--host")
-             for x in o if x is not None]  # fmt: skip
+    extra = [
+        x for o in opts if o not in serve and o[0] not in ("--served-model-name", "--host") for x in o if x is not None
+    ]
     return Path(model), extra, full
 
 
@@ -138,20 +139,47 @@ def ct2_source(model: Path) -> str | None:
     return max((n for n in names if model.name.startswith(n)), key=len, default=None)
 
 
-def vllm_system(key: str, model: Path, args: list[str], full: list[str], *, runner: str = "v2", role: str = "audio",
-                ours: bool = False, peers: list[str] = (), what: str = "") -> System:
+def vllm_system(
+    key: str,
+    model: Path,
+    args: list[str],
+    full: list[str],
+    *,
+    runner: str = "v2",
+    role: str = "audio",
+    ours: bool = False,
+    peers: list[str] = (),
+    what: str = "",
+) -> System:
     """A vLLM engine started with ``args`` on top of mmcpu-serve's; ``full``: its whole command line."""
     dtype, quant = option(full, "--dtype") or "auto", quantization(model, full)
     name = "MRV2" if runner == "v2" else "V1 runner"
     label = f"vLLM {name}, {model.name} {dtype}" + (f" {quant}" if quant else "") + (f" ({what})" if what else "")
-    return System(key=key, label=label, engine="vllm", role=role, ours=ours, runner=runner, model=model,
-                  vllm_args=list(args), dtype=dtype, quantization=quant, peers=list(peers))  # fmt: skip
+    return System(
+        key=key,
+        label=label,
+        engine="vllm",
+        role=role,
+        ours=ours,
+        runner=runner,
+        model=model,
+        vllm_args=list(args),
+        dtype=dtype,
+        quantization=quant,
+        peers=list(peers),
+    )
 
 
 def fw_system(source: str, compute_type: str, own_key: bool = True) -> System:
     key = f"fw_{compute_type}" + ("" if own_key else f":{source}")
-    return System(key=key, label=f"faster-whisper {compute_type}, {source}", engine="faster-whisper",
-                  model=Path(source), compute_type=compute_type, ct2_source=source)  # fmt: skip
+    return System(
+        key=key,
+        label=f"faster-whisper {compute_type}, {source}",
+        engine="faster-whisper",
+        model=Path(source),
+        compute_type=compute_type,
+        ct2_source=source,
+    )
 
 
 OV_WEIGHTS = ("fp32", "int8")  # optimum-cli export openvino --weight-format
@@ -163,8 +191,14 @@ def converted_peer(engine: str, checkpoint: Path, weights: str, own_key: bool = 
     model is filled in with the converted weights at run time."""
     prefix, name = {"openvino": ("ov", "OpenVINO GenAI"), "whisper.cpp": ("wcpp", "whisper.cpp")}[engine]
     key = f"{prefix}_{weights}" + ("" if own_key else f":{checkpoint.name}")
-    return System(key=key, label=f"{name} {weights}, {checkpoint.name}", engine=engine, model=checkpoint,
-                  compute_type=weights, checkpoint=checkpoint)  # fmt: skip
+    return System(
+        key=key,
+        label=f"{name} {weights}, {checkpoint.name}",
+        engine=engine,
+        model=checkpoint,
+        compute_type=weights,
+        checkpoint=checkpoint,
+    )
 
 
 def ct2_isas(cpuinfo: str | None = None) -> list[str]:
@@ -272,13 +306,26 @@ class Plan(BaseModel):
             out += self.peer_figures(self.ours, "bare_audio_default", targets=False)
         else:
             out += self.peer_figures(self.ours, "audio_default", targets=True)
-        out += [Figure(key=f"mrv2/v1@c={c}", metric="throughput", a=self.ours, b=self.v1, level=c, target=mrv2_v1)
-                for c in self.runner_levels if c in self.audio_levels]
-        out += [Figure(key=f"vision_mrv2/v1@c={c}", metric="rps", a=self.vision_ours, b=self.vision_v1, level=c,
-                       target=mrv2_v1) for c in self.vision_levels]
+        out += [
+            Figure(key=f"mrv2/v1@c={c}", metric="throughput", a=self.ours, b=self.v1, level=c, target=mrv2_v1)
+            for c in self.runner_levels
+            if c in self.audio_levels
+        ]
+        out += [
+            Figure(
+                key=f"vision_mrv2/v1@c={c}", metric="rps", a=self.vision_ours, b=self.vision_v1, level=c, target=mrv2_v1
+            )
+            for c in self.vision_levels
+        ]
         if self.mode != "lines":
-            out += [Figure(key=f"wer_{name}", metric="wer", a=key) for name, key in (
-                ("audio_default", self.ours), (self.peer.split(":")[0], self.peer), ("float32", self.float32))]
+            out += [
+                Figure(key=f"wer_{name}", metric="wer", a=key)
+                for name, key in (
+                    ("audio_default", self.ours),
+                    (self.peer.split(":")[0], self.peer),
+                    ("float32", self.float32),
+                )
+            ]
         out += self.line_figures()
         return out
 
@@ -290,20 +337,59 @@ class Plan(BaseModel):
         # 1.3x at c=8 and c=16
         fw_target = {8: (">=", 2.5), 16: (">=", 2.0)} if targets else {}
         ov_target = {1: (">=", 1.0), 8: (">=", 1.3), 16: (">=", 1.3)} if targets else {}
-        out = [Figure(key=f"{name}/{peer}@c={c}", metric="throughput", a=a, b=self.peer, level=c, paired=True,
-                      target=fw_target.get(c)) for c in self.audio_levels]
-        out.append(Figure(key=f"p50_{name}/{peer}@c={first}", metric="p50_s", a=a, b=self.peer, level=first,
-                          paired=True, target=("<=", 0.8) if targets else None))
+        out = [
+            Figure(
+                key=f"{name}/{peer}@c={c}",
+                metric="throughput",
+                a=a,
+                b=self.peer,
+                level=c,
+                paired=True,
+                target=fw_target.get(c),
+            )
+            for c in self.audio_levels
+        ]
+        out.append(
+            Figure(
+                key=f"p50_{name}/{peer}@c={first}",
+                metric="p50_s",
+                a=a,
+                b=self.peer,
+                level=first,
+                paired=True,
+                target=("<=", 0.8) if targets else None,
+            )
+        )
         for best, engine in (("openvino_best", "openvino"), ("whispercpp_best", "whisper.cpp")):
             group = self.of_engine(engine, self.ours) if self.ours in {s.key for s in self.systems} else []
             if not group:
                 continue
             tgt = ov_target if engine == "openvino" else {}
-            out += [Figure(key=f"{name}/{best}@c={c}", metric="throughput", a=a, b=group[0], best_of=group,
-                           level=c, paired=True, target=tgt.get(c)) for c in self.audio_levels]
-            out.append(Figure(key=f"p50_{name}/{best}@c={first}", metric="p50_s", a=a, b=group[0], best_of=group,
-                              level=first, paired=True,
-                              target=("<=", 1.0) if engine == "openvino" and targets else None))
+            out += [
+                Figure(
+                    key=f"{name}/{best}@c={c}",
+                    metric="throughput",
+                    a=a,
+                    b=group[0],
+                    best_of=group,
+                    level=c,
+                    paired=True,
+                    target=tgt.get(c),
+                )
+                for c in self.audio_levels
+            ]
+            out.append(
+                Figure(
+                    key=f"p50_{name}/{best}@c={first}",
+                    metric="p50_s",
+                    a=a,
+                    b=group[0],
+                    best_of=group,
+                    level=first,
+                    paired=True,
+                    target=("<=", 1.0) if engine == "openvino" and targets else None,
+                )
+            )
         return out
 
     def line_figures(self) -> list[Figure]:
@@ -316,23 +402,56 @@ class Plan(BaseModel):
         for p in self.line_pairs:
             metric = "rps" if p.role == "vision" else "throughput"
             levels = self.system(p.proof).levels or (self.vision_levels if p.role == "vision" else self.audio_levels)
-            out += [Figure(key=f"{tag}_{p.name}@c={c}", metric=metric, a=p.default, b=p.proof, level=c)
-                    for c in levels]
-            out += [Figure(key=f"{m}_{tag}_{p.name}", metric=m, a=p.default, b=p.proof) for m in ("ready_s", "peak_rss")]
+            out += [Figure(key=f"{tag}_{p.name}@c={c}", metric=metric, a=p.default, b=p.proof, level=c) for c in levels]
+            out += [
+                Figure(key=f"{m}_{tag}_{p.name}", metric=m, a=p.default, b=p.proof) for m in ("ready_s", "peak_rss")
+            ]
         return out
 
 
 MODES = {  # mode -> plan fields; every mode sends the same workload
-    "full": dict(audio_levels=[1, 4, 8, 16], vision_levels=[1, 4], runner_levels=[1, 8], reps=2, long_s=[60, 300],
-                 fw_grid=[(t, w) for t in (1, 2) for w in (1, 2, 4)], fw_search_every=4, mixed=100),
-    "quick": dict(audio_levels=[1, 4], vision_levels=[1, 4], runner_levels=[1, 8], reps=1, long_s=[60],
-                  fw_grid=[(1, 1), (2, 1), (1, 2), (2, 2)], fw_search_every=4, mixed=0),
-    "latency": dict(audio_levels=[1], vision_levels=[1], runner_levels=[1], reps=1, long_s=[], fw_grid=[],
-                    fw_search_every=1, mixed=0),
+    "full": dict(
+        audio_levels=[1, 4, 8, 16],
+        vision_levels=[1, 4],
+        runner_levels=[1, 8],
+        reps=2,
+        long_s=[60, 300],
+        fw_grid=[(t, w) for t in (1, 2) for w in (1, 2, 4)],
+        fw_search_every=4,
+        mixed=100,
+    ),
+    "quick": dict(
+        audio_levels=[1, 4],
+        vision_levels=[1, 4],
+        runner_levels=[1, 8],
+        reps=1,
+        long_s=[60],
+        fw_grid=[(1, 1), (2, 1), (1, 2), (2, 2)],
+        fw_search_every=4,
+        mixed=0,
+    ),
+    "latency": dict(
+        audio_levels=[1],
+        vision_levels=[1],
+        runner_levels=[1],
+        reps=1,
+        long_s=[],
+        fw_grid=[],
+        fw_search_every=1,
+        mixed=0,
+    ),
     # the default line against the proof line only (no peers, variants, long files or mixed load)
-    "lines": dict(audio_levels=[1, 8], vision_levels=[1, 4], runner_levels=[1, 8], reps=1, long_s=[], fw_grid=[],
-                  fw_search_every=4, mixed=0),
-}  # fmt: skip
+    "lines": dict(
+        audio_levels=[1, 8],
+        vision_levels=[1, 4],
+        runner_levels=[1, 8],
+        reps=1,
+        long_s=[],
+        fw_grid=[],
+        fw_search_every=4,
+        mixed=0,
+    ),
+}
 # The proof line's engines run at these levels, one round each, in full: MRV2 under Triton's interpreter is slow,
 # and a full run must stay near 40 min on 2 CPUs.
 LINE_LEVELS = [1, 8]
@@ -342,8 +461,16 @@ INTERPRETER = {"MMCPU_KERNELS": "interpreter", "MMCPU_DTYPE": "float32"}
 VARIANTS = ("whisper-tiny.en-int8", "whisper-tiny.en-int8-static", "whisper-base")
 
 
-def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, peers: bool = True,
-          lines: bool | None = None, stack: bool | None = None, **overrides: object) -> Plan:
+def build(
+    mode: str,
+    settings: Settings,
+    *,
+    variants: list[Path] | None = None,
+    peers: bool = True,
+    lines: bool | None = None,
+    stack: bool | None = None,
+    **overrides: object,
+) -> Plan:
     """The plan of ``mode``: ours = the audio role's default engine; V1 with the same checkpoint and arguments;
     faster-whisper int8 and float32 on ours' weights, OpenVINO GenAI (fp32, int8) and whisper.cpp (f16, q8_0) on
     weights converted from ours' float checkpoint (``peers``); the float32 unquantised model when ours is not it;
@@ -360,25 +487,44 @@ def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, 
     lines = mode in ("full", "lines") if lines is None else lines
     fw8, fw32 = fw_system(source, "int8"), fw_system(source, "float32")
     # OpenVINO and whisper.cpp convert the float HF checkpoint (a quantised vLLM checkpoint is not their input)
-    float_ckpt = next((p for p in (settings.models_dir / source, model) if p.is_dir() and not quantization(p)),
-                      settings.models_dir / source)
-    converted = [converted_peer("openvino", float_ckpt, w) for w in OV_WEIGHTS] + \
-        [converted_peer("whisper.cpp", float_ckpt, w) for w in WCPP_WEIGHTS]  # fmt: skip
+    float_ckpt = next(
+        (p for p in (settings.models_dir / source, model) if p.is_dir() and not quantization(p)),
+        settings.models_dir / source,
+    )
+    converted = [converted_peer("openvino", float_ckpt, w) for w in OV_WEIGHTS] + [
+        converted_peer("whisper.cpp", float_ckpt, w) for w in WCPP_WEIGHTS
+    ]
     peer_keys = [fw8.key, fw32.key, *(s.key for s in converted)] if peers else []
     ours = vllm_system("audio_default", model, args, full, ours=True, peers=peer_keys, what="audio default")
     systems = [ours, vllm_system("v1", model, args, full, runner="v1", peers=[fw8.key] if peers else [])]
     stack = mode in ("full", "quick") if stack is None else stack
     if stack:
-        systems.append(ours.model_copy(update=dict(key="audio_stack", ours=False, via="stack", of=ours.key,
-                                                   label=f"{ours.label} through the gateway, the vision engine "
-                                                         "beside it (as `make up` serves it)")))  # fmt: skip
+        systems.append(
+            ours.model_copy(
+                update=dict(
+                    key="audio_stack",
+                    ours=False,
+                    via="stack",
+                    of=ours.key,
+                    label=f"{ours.label} through the gateway, the vision engine beside it (as `make up` serves it)",
+                )
+            )
+        )
     systems += [fw8, fw32, *converted] if peers else []
     float32 = ours.key
     if ours.dtype != "float32" or ours.quantization:
         base = next((p for p in (settings.models_dir / source, model) if p.is_dir() and not quantization(p)), model)
         f32 = ["--dtype", "float32"]
-        systems.append(vllm_system("float32", base, [*args, *f32], [*full, *f32], peers=[fw8.key] if peers else [],
-                                   what="float32 reference"))
+        systems.append(
+            vllm_system(
+                "float32",
+                base,
+                [*args, *f32],
+                [*full, *f32],
+                peers=[fw8.key] if peers else [],
+                what="float32 reference",
+            )
+        )
         float32 = "float32"
     if variants is None:
         variants = [settings.models_dir / v for v in VARIANTS if (settings.models_dir / v).is_dir()]
@@ -394,19 +540,39 @@ def build(mode: str, settings: Settings, *, variants: list[Path] | None = None, 
             own = [systems[-1].key]
             if not quantization(path):  # another model (whisper-base): OpenVINO on its weights too
                 systems += [converted_peer("openvino", path, w, own_key=False) for w in OV_WEIGHTS]
-                own += [s.key for s in systems[-len(OV_WEIGHTS):]]
+                own += [s.key for s in systems[-len(OV_WEIGHTS) :]]
         systems.append(vllm_system(path.name, path, args, full, peers=own if peers else []))
         systems[-1].levels = [c for c in (1, 8) if c in fields["audio_levels"]] or fields["audio_levels"][:1]
         systems[-1].reps = 1
     vmodel, vargs, vfull = role_engine("vision", settings)
-    systems += [vllm_system("vision_mrv2", vmodel, vargs, vfull, role="vision", ours=True),
-                vllm_system("vision_v1", vmodel, vargs, vfull, role="vision", runner="v1")]
+    systems += [
+        vllm_system("vision_mrv2", vmodel, vargs, vfull, role="vision", ours=True),
+        vllm_system("vision_v1", vmodel, vargs, vfull, role="vision", runner="v1"),
+    ]
     fields.setdefault("fw_isas", ct2_isas())
-    plan = Plan(mode=mode, requests=workload(), vision_requests=16, fw_batch_size=8, systems=systems, ours=ours.key,
-                stack="audio_stack" if stack else None, peer=fw8.key, v1="v1", float32=float32, vision_ours="vision_mrv2", vision_v1="vision_v1", **fields)
+    plan = Plan(
+        mode=mode,
+        requests=workload(),
+        vision_requests=16,
+        fw_batch_size=8,
+        systems=systems,
+        ours=ours.key,
+        stack="audio_stack" if stack else None,
+        peer=fw8.key,
+        v1="v1",
+        float32=float32,
+        vision_ours="vision_mrv2",
+        vision_v1="vision_v1",
+        **fields,
+    )
     if lines:
-        add_lines(plan, settings, release_lines.DEFAULT, release_lines.PROOF,
-                  release_lines.venv(release_lines.PROOF, settings.cache_dir) / "bin" / "python")
+        add_lines(
+            plan,
+            settings,
+            release_lines.DEFAULT,
+            release_lines.PROOF,
+            release_lines.venv(release_lines.PROOF, settings.cache_dir) / "bin" / "python",
+        )
     return plan
 
 
@@ -414,25 +580,50 @@ def add_lines(plan: Plan, settings: Settings, default: str, proof: str, python: 
     """The proof line's engines (``python``: its venv's interpreter), each against the default line's same
     configuration: V1 with ours' checkpoint and arguments on both; MRV2 in float32, native on the default line,
     Triton's interpreter on the proof line (it has no native kernels); the same for vision."""
-    levels = {"audio": [c for c in LINE_LEVELS if c in plan.audio_levels] or plan.audio_levels[:1],
-              "vision": plan.vision_levels}
+    levels = {
+        "audio": [c for c in LINE_LEVELS if c in plan.audio_levels] or plan.audio_levels[:1],
+        "vision": plan.vision_levels,
+    }
     f32 = ["--dtype", "float32"]
     vision = plan.system(plan.vision_ours)
     vision_f32 = plan.vision_ours
     if vision.dtype != "float32":  # the interpreter needs float32: compare with the default line's float32 too
-        plan.systems.append(vision.model_copy(update=dict(key="vision_float32", ours=False, vllm_args=[
-            *vision.vllm_args, *f32], dtype="float32", label=vision.label.replace(vision.dtype or "", "float32", 1)
-            + " (float32 reference)")))  # fmt: skip
+        plan.systems.append(
+            vision.model_copy(
+                update=dict(
+                    key="vision_float32",
+                    ours=False,
+                    vllm_args=[*vision.vllm_args, *f32],
+                    dtype="float32",
+                    label=vision.label.replace(vision.dtype or "", "float32", 1) + " (float32 reference)",
+                )
+            )
+        )
         vision_f32 = "vision_float32"
-    interp = "0.%s MRV2 under Triton's interpreter (float32), %s native" % (proof.split(".")[1], default)
-    for name, role, ref, mrv2 in (("v1", "audio", plan.v1, False), ("mrv2", "audio", plan.float32, True),
-                                  ("vision_v1", "vision", plan.vision_v1, False),
-                                  ("vision_mrv2", "vision", vision_f32, True)):  # fmt: skip
+    interp = "0.{} MRV2 under Triton's interpreter (float32), {} native".format(proof.split(".")[1], default)
+    for name, role, ref, mrv2 in (
+        ("v1", "audio", plan.v1, False),
+        ("mrv2", "audio", plan.float32, True),
+        ("vision_v1", "vision", plan.vision_v1, False),
+        ("vision_mrv2", "vision", vision_f32, True),
+    ):
         base = plan.system(ref)
         key = f"v{proof.replace('.', '')[:3]}_{name}"
         label = base.label.replace("vLLM", f"vLLM {proof}", 1).replace(" (float32 reference)", "")
-        plan.systems.append(base.model_copy(update=dict(
-            key=key, ours=False, peers=[], line=proof, python=python, levels=levels[role], reps=1,
-            env=INTERPRETER if mrv2 else {}, label=label + (" (Triton interpreter)" if mrv2 else ""))))
+        plan.systems.append(
+            base.model_copy(
+                update=dict(
+                    key=key,
+                    ours=False,
+                    peers=[],
+                    line=proof,
+                    python=python,
+                    levels=levels[role],
+                    reps=1,
+                    env=INTERPRETER if mrv2 else {},
+                    label=label + (" (Triton interpreter)" if mrv2 else ""),
+                )
+            )
+        )
         plan.line_pairs.append(LinePair(name=name, role=role, default=ref, proof=key, note=interp if mrv2 else ""))
     plan.default_line, plan.proof_line = default, proof

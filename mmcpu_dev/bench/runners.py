@@ -19,11 +19,11 @@ from typing import TypeVar
 import openai
 import psutil
 
+from mmcpu.proc import stop_group, tree_rss
 from mmcpu_dev.bench.inputs import Clip
 from mmcpu_dev.bench.stats import Round, Sample
 from mmcpu_dev.payloads import image_chat_kwargs, transcription_kwargs
 from mmcpu_dev.servers import Engine, free_port, wait_until_ok
-from mmcpu.proc import stop_group, tree_rss
 
 PEER = Path(__file__).with_name("peer.py")  # run by path by the bench venv's python (-P: this folder off sys.path)
 FOREIGN_CORES_LIMIT = 0.25  # a round during which other processes used more cores than this is flagged
@@ -43,7 +43,7 @@ def run_round(calls: list[Callable[[], str]], concurrency: int, meta: list[tuple
         try:
             text = calls[i]()
             return Sample(time.perf_counter() - t0, audio_s, text, None, kind, ref)
-        except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+        except Exception as exc:
             return Sample(time.perf_counter() - t0, audio_s, None, f"{type(exc).__name__}: {str(exc)[:200]}", kind, ref)
 
     t0 = time.perf_counter()
@@ -69,25 +69,36 @@ class Http:
         return self.client.chat.completions.create(**kwargs).choices[0].message.content or ""
 
     def audio_round(self, clips: list[Clip], concurrency: int) -> Round:
-        return run_round([lambda c=c: self.transcribe(c) for c in clips], concurrency,
-                         [(c.seconds, "audio", c.text) for c in clips])  # fmt: skip
+        return run_round(
+            [lambda c=c: self.transcribe(c) for c in clips], concurrency, [(c.seconds, "audio", c.text) for c in clips]
+        )
 
     def vision_round(self, image_sets: list[list], concurrency: int) -> Round:
-        return run_round([lambda imgs=imgs: self.chat(imgs) for imgs in image_sets], concurrency,
-                         [(0.0, "vision", None)] * len(image_sets))  # fmt: skip
+        return run_round(
+            [lambda imgs=imgs: self.chat(imgs) for imgs in image_sets],
+            concurrency,
+            [(0.0, "vision", None)] * len(image_sets),
+        )
 
 
 class Peer:
     """One peer process (peer.py in that peer's venv: faster-whisper, OpenVINO GenAI or whisper.cpp) over
     stdin/stdout; ``env`` adds settings it reads at start (e.g. CT2_FORCE_CPU_ISA)."""
 
-    def __init__(self, python: Path, argv: list[str], what: str, log_path: Path,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, python: Path, argv: list[str], what: str, log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         t0 = time.monotonic()
         self.what, self.log = what, log_path.open("wb")
-        self.proc = subprocess.Popen([str(python), "-P", str(PEER), *argv], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
-                                     env={**os.environ, **(env or {})})  # fmt: skip
+        self.proc = subprocess.Popen(
+            [str(python), "-P", str(PEER), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **(env or {})},
+        )
         hello = self._read()
         if not hello.get("ready"):
             raise RuntimeError(f"{what} did not start: {hello} (log {log_path})")
@@ -112,16 +123,29 @@ class Peer:
         """All clips, ``concurrency`` calls in flight, on a model with ``threads`` x ``workers``; ``batch`` > 0:
         each file through BatchedInferencePipeline with that batch size instead."""
         key = (threads, workers, batch)
-        self.proc.stdin.write(json.dumps({"op": "run", "files": [str(c.path) for c in clips], "concurrency":
-                                          concurrency, "cpu_threads": threads, "num_workers": workers, "batch": batch,
-                                          "warmup": key not in self.warm}) + "\n")  # fmt: skip
+        self.proc.stdin.write(
+            json.dumps(
+                {
+                    "op": "run",
+                    "files": [str(c.path) for c in clips],
+                    "concurrency": concurrency,
+                    "cpu_threads": threads,
+                    "num_workers": workers,
+                    "batch": batch,
+                    "warmup": key not in self.warm,
+                }
+            )
+            + "\n"
+        )
         self.proc.stdin.flush()
         self.warm.add(key)  # the first call on a freshly loaded model is slow: the peer sends one untimed first
         reply = self._read()
         if "error" in reply:
             raise RuntimeError(f"{self.what}: {reply['error']}")
-        samples = [Sample(r["latency_s"], c.seconds, r["text"], r["error"], "audio", c.text)
-                   for c, r in zip(clips, reply["results"], strict=True)]  # fmt: skip
+        samples = [
+            Sample(r["latency_s"], c.seconds, r["text"], r["error"], "audio", c.text)
+            for c, r in zip(clips, reply["results"], strict=True)
+        ]
         return Round(concurrency, reply["wall_s"], samples)
 
     def stop(self) -> None:
@@ -136,10 +160,16 @@ class Peer:
         self.log.close()
 
 
-def FasterWhisper(python: Path, model: Path, compute_type: str, log_path: Path,  # noqa: N802 - was a class
-                  env: dict[str, str] | None = None) -> Peer:  # fmt: skip
-    return Peer(python, ["fw", "--model", str(model), "--compute-type", compute_type],
-                f"faster-whisper {compute_type}", log_path, env)
+def FasterWhisper(
+    python: Path, model: Path, compute_type: str, log_path: Path, env: dict[str, str] | None = None
+) -> Peer:
+    return Peer(
+        python,
+        ["fw", "--model", str(model), "--compute-type", compute_type],
+        f"faster-whisper {compute_type}",
+        log_path,
+        env,
+    )
 
 
 class Gateway:
@@ -147,12 +177,21 @@ class Gateway:
 
     def __init__(self, engines: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
-        env = dict(os.environ, MMCPU_HOST="127.0.0.1", MMCPU_GATEWAY_PORT=str(self.port), MMCPU_API_KEY="",
-                   MMCPU_ENGINES=",".join(f"{name}={url}" for name, url in engines.items()))  # fmt: skip
+        env = dict(
+            os.environ,
+            MMCPU_HOST="127.0.0.1",
+            MMCPU_GATEWAY_PORT=str(self.port),
+            MMCPU_API_KEY="",
+            MMCPU_ENGINES=",".join(f"{name}={url}" for name, url in engines.items()),
+        )
         self.log = log_path.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; "
-                                      "sys.exit(main())"], env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from mmcpu.gateway.app import main; sys.exit(main())"],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             wait_until_ok(f"{self.url}/ping", self.proc, 60, "gateway", log_path)
         except BaseException:
@@ -241,8 +280,11 @@ class CpuWatch:
     def stop(self) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-6)
         foreign = max(0.0, (self._busy() - self.sys0) - (self._ours() - self.ours0)) / wall
-        return {"loadavg_1m": round(self.load, 2), "foreign_cores": round(foreign, 2),
-                "flagged": foreign > FOREIGN_CORES_LIMIT}  # fmt: skip
+        return {
+            "loadavg_1m": round(self.load, 2),
+            "foreign_cores": round(foreign, 2),
+            "flagged": foreign > FOREIGN_CORES_LIMIT,
+        }
 
 
 def tree_cpu_s(pids: list[int | None]) -> float:
@@ -298,8 +340,11 @@ def layout_use(cores: float | None, threads: int, workers: int, concurrency: int
     """The layout's record beside a round's cpu/wall: the cores it can keep busy, and ``underused`` when it used
     fewer than USE_MIN of them (only where that is at least 2: one core's use is bounded by the round's own gaps)."""
     can = layout_cores(threads, workers, concurrency, cpus)
-    return {"layout": f"{threads}x{workers}", "layout_cores": can,
-            "underused": cores is not None and can >= 2 and cores < USE_MIN * can}
+    return {
+        "layout": f"{threads}x{workers}",
+        "layout_cores": can,
+        "underused": cores is not None and can >= 2 and cores < USE_MIN * can,
+    }
 
 
 def replicas_idle(workers: int, concurrency: int, use: dict, flagged: bool) -> bool:
@@ -332,8 +377,19 @@ class Profiler:
     """py-spy record on one process for the duration of a ``with`` block (non-blocking: the target is not paused)."""
 
     def __init__(self, py_spy: Path, pid: int | None, out: Path, rate: int = 25) -> None:
-        self.cmd = [str(py_spy), "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking",
-                    "--format", "raw", "--output", str(out)]  # fmt: skip
+        self.cmd = [
+            str(py_spy),
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            str(rate),
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+        ]
         self.pid, self.out, self.proc, self.error = pid, out, None, None
 
     def __enter__(self) -> Profiler:

@@ -103,12 +103,21 @@ def summarize(samples: Sequence[Sample], wall_s: float, concurrency: int | None 
     audio_s = sum(s.audio_s for s in ok)
     errors = [s.error for s in samples if s.error is not None]
     return LevelStats(
-        concurrency=concurrency, n=len(samples), ok=len(ok), failures=len(errors), wall_s=wall_s, audio_s=audio_s,
-        throughput=throughput(audio_s, wall_s) if audio_s else None, rps=len(ok) / wall_s if wall_s > 0 else None,
-        p50_s=percentile(lat, 50), p95_s=percentile(lat, 95), mean_s=sum(lat) / len(lat) if lat else None,
-        max_s=max(lat) if lat else None, wer=wer(samples) if any(s.ref for s in samples) else None,
+        concurrency=concurrency,
+        n=len(samples),
+        ok=len(ok),
+        failures=len(errors),
+        wall_s=wall_s,
+        audio_s=audio_s,
+        throughput=throughput(audio_s, wall_s) if audio_s else None,
+        rps=len(ok) / wall_s if wall_s > 0 else None,
+        p50_s=percentile(lat, 50),
+        p95_s=percentile(lat, 95),
+        mean_s=sum(lat) / len(lat) if lat else None,
+        max_s=max(lat) if lat else None,
+        wer=wer(samples) if any(s.ref for s in samples) else None,
         errors=sorted(Counter(errors).items(), key=lambda kv: -kv[1])[:3],
-    )  # fmt: skip
+    )
 
 
 def merge_rounds(rounds: Iterable[Round]) -> LevelStats:

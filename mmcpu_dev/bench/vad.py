@@ -69,8 +69,27 @@ def noise_clip(out_dir: Path, seconds: float = 30) -> Path:
     """Pink noise at about -25 dBFS, no speech (sox -R: the same samples every run)."""
     out = out_dir / "noise.wav"
     out_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["sox", "-R", "-n", "-r", str(RATE), "-c", "1", "-b", "16", str(out), "synth", str(seconds),
-                    "pinknoise", "vol", "0.1"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "sox",
+            "-R",
+            "-n",
+            "-r",
+            str(RATE),
+            "-c",
+            "1",
+            "-b",
+            "16",
+            str(out),
+            "synth",
+            str(seconds),
+            "pinknoise",
+            "vol",
+            "0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -87,7 +106,7 @@ def finished_requests(base_url: str) -> float:
     import httpx
 
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(r'^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
 def vad_cost(samples: np.ndarray, rounds: int = 5) -> dict:
@@ -126,11 +145,11 @@ def measure(out_dir: Path, rounds: int) -> dict:
                     before = finished_requests(engine.base_url)
                     t0 = time.perf_counter()
                     answer = client.audio.transcriptions.create(
-                        model=engine.name, file=path.open("rb"), language="en", temperature=0, **extra).text
+                        model=engine.name, file=path.open("rb"), language="en", temperature=0, **extra
+                    ).text
                     times.append(time.perf_counter() - t0)
                     windows = finished_requests(engine.base_url) - before
-                row = {"best_s": min(times), "windows": windows, "text": answer,
-                       "audio_s": audio(path).size / RATE}
+                row = {"best_s": min(times), "windows": windows, "text": answer, "audio_s": audio(path).size / RATE}
                 if reference_text:
                     row["wer"] = speech.word_error_rate([reference_text], [answer])
                 result[f"{name}/{strategy or 'none'}"] = row
@@ -140,7 +159,7 @@ def measure(out_dir: Path, rounds: int) -> dict:
             t0 = time.perf_counter()
             refs = reference.transcribe([p for p, _ in clips.values()], weights, language="en", vad_filter=vad_filter)
             wall = time.perf_counter() - t0
-            for (name, (_, reference_text)), ref in zip(clips.items(), refs):
+            for (name, (_, reference_text)), ref in zip(clips.items(), refs, strict=False):
                 row = {"text": ref["text"], "wall_s_all_clips_incl_load": wall}
                 if reference_text:
                     row["wer"] = speech.word_error_rate([reference_text], [ref["text"]])

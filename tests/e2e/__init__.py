@@ -26,7 +26,8 @@ Env (the knobs of the bash version, same meaning):
   E2E_RESTART_S   an engine's way back after a fault: restart or ``compose start`` (default 1200)
   E2E_FAULTS      1 (default): the fault tests; 0 skips them
   E2E_LOAD_N      requests of the mixed load (default 100)
-  E2E_LONG_S      the clip the audio engine drains across ``compose stop`` (default 720 s of words: a ~565 s clip, under vLLM's 600 s limit)
+  E2E_LONG_S      the clip the audio engine drains across ``compose stop`` (default 720 s of words:
+                  a ~565 s clip, under vLLM's 600 s limit)
   IMAGE, IMAGE_UNPATCHED, IMAGE_SMOKE   the tags (default mmcpu:latest, mmcpu:unpatched, mmcpu:smoke)
   MMCPU_PROJECT   prefix of the stacks' compose projects (default mmcpu: mmcpu-e2e-patched, mmcpu-e2e-unpatched)
   MMCPU_API_KEY, MMCPU_ENGINE_API_KEY   the stacks' client and internal keys (default: made up per run)

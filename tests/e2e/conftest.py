@@ -84,7 +84,7 @@ def images(cfg: Config, docker: Docker) -> Images:
     missing = [tag for tag in images.all if docker.inspect(tag) is None]
     if missing:
         pytest.fail(f"images missing: {missing} (make e2e, or scripts/docker-e2e images, builds them)")
-    for name, tag in zip(("patched", "unpatched", "smoke"), images.all):
+    for name, tag in zip(("patched", "unpatched", "smoke"), images.all, strict=False):
         if run([str(REPO_ROOT / "scripts" / "docker-e2e"), "current", name], timeout=300, check=False).returncode:
             say(f"warning: {tag} was built from other inputs than the working tree's (make e2e rebuilds it first)")
     return images
@@ -98,9 +98,11 @@ def patched_stack(cfg: Config, docker: Docker, compose: list[str], figures: Figu
     env = {"MMCPU_HEALTH_PROBE_S": None, "MMCPU_RESTART": None, "MMCPU_KERNELS": None}
     with Stack("patched", images.patched, cfg, docker, compose, figures, env) as stack:
         say(f"stack patched ({images.patched}) on {stack.gateway}")
-        up = stack.compose_background("up", "-d", "--no-build", "--no-color", "audio", "vision", "gateway",
-                                      log_path=LOGS / "stack-patched.log")
+        up = stack.compose_background(
+            "up", "-d", "--no-build", "--no-color", "audio", "vision", "gateway", log_path=LOGS / "stack-patched.log"
+        )
         with up:
+
             def serving() -> bool:
                 if up.proc.poll():  # ended, and not with 0: nothing will come up
                     raise AssertionError(f"compose up -d failed: {up.output()[-2000:]}")
@@ -136,8 +138,16 @@ def unpatched_run(cfg: Config, docker: Docker, compose: list[str], figures: Figu
     with Stack("unpatched", images.unpatched, cfg, docker, compose, figures, env) as stack:
         say(f"stack unpatched ({images.unpatched}) on {stack.gateway}; the smoke must fail (log {log_path})")
         try:
-            code = stack.compose("up", "--no-build", "--no-color", "--exit-code-from", "smoke", log_path=log_path,
-                                 timeout=cfg.timeout_s, check=False).returncode
+            code = stack.compose(
+                "up",
+                "--no-build",
+                "--no-color",
+                "--exit-code-from",
+                "smoke",
+                log_path=log_path,
+                timeout=cfg.timeout_s,
+                check=False,
+            ).returncode
         except subprocess.TimeoutExpired:
             code = None
         # compose prefixes each line with its service ("smoke_1  | [smoke] ..."); the smoke's own lines are wanted.
@@ -145,6 +155,8 @@ def unpatched_run(cfg: Config, docker: Docker, compose: list[str], figures: Figu
         lines = [line.split("| ", 1)[-1] for line in text.splitlines() if "[smoke]" in line]
         for line in lines:
             say(line)
-    figures.add("unpatched: smoke result", f"exit {code}; {sum(' PASS ' in line for line in lines)} PASS / "
-                                          f"{sum(' FAIL ' in line for line in lines)} FAIL")
+    figures.add(
+        "unpatched: smoke result",
+        f"exit {code}; {sum(' PASS ' in line for line in lines)} PASS / {sum(' FAIL ' in line for line in lines)} FAIL",
+    )
     return UnpatchedRun(code, lines, stack.logs["audio"], stack.logs["vision"])

@@ -23,12 +23,12 @@ import httpx
 import openai
 import psutil
 
+from mmcpu.launch import served_name
+from mmcpu.proc import stop_group, tree, tree_rss
 from mmcpu_dev.checks import CheckFailed, openai_error_body
 from mmcpu_dev.payloads import audio_file, image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu_dev.servers import free_port
 from mmcpu_dev.shell import human
-from mmcpu.launch import served_name
-from mmcpu.proc import stop_group, tree, tree_rss
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOGS = REPO_ROOT / ".cache" / "logs" / "e2e"
@@ -93,18 +93,33 @@ class Config:
 
 
 # --- processes -------------------------------------------------------------------------------------------
-def run(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, log_path: Path | None = None,
-        check: bool = True, merge: bool = False) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    check: bool = True,
+    merge: bool = False,
+) -> subprocess.CompletedProcess[str]:
     """Run a command to its end within ``timeout`` s; output to ``log_path`` when given, else captured (``merge``:
     stderr into stdout, e.g. for ``docker logs``). ``check``: a non-zero exit raises with the output's tail."""
     if log_path is None:
-        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
-                                text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+        result = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=REPO_ROOT,
+        )
         output = result.stdout + (result.stderr or "")
     else:
         with log_path.open("w") as out:
-            result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env,
-                                    cwd=REPO_ROOT)
+            result = subprocess.run(
+                cmd, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env, cwd=REPO_ROOT
+            )
         output = log_path.read_text(errors="replace")
     if check and result.returncode != 0:
         tail = "\n".join(output.splitlines()[-30:])
@@ -118,8 +133,9 @@ class Background:
     def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.log_path = log_path
         with log_path.open("w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True
+            )
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -189,8 +205,11 @@ def docker_time(stamp: str) -> float | None:
 
 def cgroup_file(container_id: str, name: str) -> Path | None:
     """A file of the container's memory cgroup (v1 memory controller or v2), None if not found."""
-    for base in (f"/sys/fs/cgroup/memory/docker/{container_id}",
-                 f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope", f"/sys/fs/cgroup/docker/{container_id}"):
+    for base in (
+        f"/sys/fs/cgroup/memory/docker/{container_id}",
+        f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope",
+        f"/sys/fs/cgroup/docker/{container_id}",
+    ):
         path = Path(base) / name
         if path.is_file():
             return path
@@ -200,7 +219,7 @@ def cgroup_file(container_id: str, name: str) -> Path | None:
 def cgroup_anon_bytes(container_id: str) -> int:
     """Anonymous memory of the container (no double counting of shared pages, unlike summed RSS); 0 if unknown."""
     path = cgroup_file(container_id, "memory.stat")
-    for line in (path.read_text().splitlines() if path else []):
+    for line in path.read_text().splitlines() if path else []:
         key, _, value = line.partition(" ")
         if key in ("total_rss", "anon"):
             return int(value)
@@ -245,8 +264,9 @@ class Probe:
         # max_retries=0: a failing request must show up as the failure it is.
         self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=cfg.api_key, max_retries=0)
         self.kwargs = {
-            "audio": transcription_kwargs(audio_file(1.0, tone_hz=None), model=cfg.audio_model, language="en",
-                                          filename="probe.wav"),
+            "audio": transcription_kwargs(
+                audio_file(1.0, tone_hz=None), model=cfg.audio_model, language="en", filename="probe.wav"
+            ),
             "vision": image_chat_kwargs([test_image(3, 32), test_image(5, 32)], model=cfg.vision_model, max_tokens=4),
         }
 
@@ -300,16 +320,29 @@ class Stack:
     services every 5 s, and on exit - whatever happened - saves the services' logs, records the figures and
     removes every container, network and volume of the project."""
 
-    def __init__(self, name: str, image: str, cfg: Config, docker: Docker, compose: list[str], figures: Figures,
-                 env: dict[str, str | None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        image: str,
+        cfg: Config,
+        docker: Docker,
+        compose: list[str],
+        figures: Figures,
+        env: dict[str, str | None],
+    ) -> None:
         self.name, self.image, self.cfg, self.docker, self.figures = name, image, cfg, docker, figures
         self.project = f"{os.environ.get('MMCPU_PROJECT') or 'mmcpu'}-e2e-{name}"
         self.port = free_port()
         self.gateway = f"http://127.0.0.1:{self.port}"
         self.base = [*compose, "-p", self.project, "-f", "compose.yaml", "-f", "compose.test.yaml"]
-        self.env = dict(os.environ, MMCPU_IMAGE=image, MMCPU_SMOKE_IMAGE=cfg.image_smoke,
-                        MMCPU_PUBLISH=f"127.0.0.1:{self.port}", MMCPU_API_KEY=cfg.api_key,
-                        MMCPU_ENGINE_API_KEY=cfg.engine_api_key)
+        self.env = dict(
+            os.environ,
+            MMCPU_IMAGE=image,
+            MMCPU_SMOKE_IMAGE=cfg.image_smoke,
+            MMCPU_PUBLISH=f"127.0.0.1:{self.port}",
+            MMCPU_API_KEY=cfg.api_key,
+            MMCPU_ENGINE_API_KEY=cfg.engine_api_key,
+        )
         for key, value in env.items():
             if value is None:
                 self.env.pop(key, None)
@@ -322,8 +355,9 @@ class Stack:
         self.t0 = time.monotonic()
 
     # -- compose and docker --
-    def compose(self, *args: str, timeout: float = 300, log_path: Path | None = None,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
+    def compose(
+        self, *args: str, timeout: float = 300, log_path: Path | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         return run([*self.base, *args], timeout=timeout, env=self.env, log_path=log_path, check=check)
 
     def compose_background(self, *args: str, log_path: Path) -> Background:
@@ -334,8 +368,9 @@ class Stack:
         return ["run", "--rm", "--no-deps", "-T", "smoke", "--base-url", "http://gateway:8000/v1", *args]
 
     def smoke(self, log_path: Path, *args: str, timeout: float | None = None) -> int:
-        return self.compose(*self.smoke_args(*args), timeout=timeout or self.cfg.timeout_s, log_path=log_path,
-                            check=False).returncode
+        return self.compose(
+            *self.smoke_args(*args), timeout=timeout or self.cfg.timeout_s, log_path=log_path, check=False
+        ).returncode
 
     def smoke_background(self, log_path: Path, *args: str) -> Background:
         return self.compose_background(*self.smoke_args(*args), log_path=log_path)
@@ -372,8 +407,9 @@ class Stack:
         return run([self.docker.binary, "logs", cid], timeout=120, check=False, merge=True).stdout if cid else ""
 
     def service_log(self, service: str) -> str:
-        return run([*self.base, "logs", "--no-color", service], timeout=120, env=self.env, check=False,
-                   merge=True).stdout
+        return run(
+            [*self.base, "logs", "--no-color", service], timeout=120, env=self.env, check=False, merge=True
+        ).stdout
 
     def exec_python(self, service: str, code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """``python -S -c CODE ARGS`` in the service's container (-S: no site-packages, a fast start)."""
@@ -383,8 +419,21 @@ class Stack:
 
     def run_python(self, service: str, code: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         """``python -S -c CODE ARGS`` in a one-off container of a compose service, on that service's networks."""
-        return self.compose("run", "--rm", "--no-deps", "-T", "--entrypoint", "python", service, "-S", "-c", code,
-                            *args, timeout=timeout, check=False)
+        return self.compose(
+            "run",
+            "--rm",
+            "--no-deps",
+            "-T",
+            "--entrypoint",
+            "python",
+            service,
+            "-S",
+            "-c",
+            code,
+            *args,
+            timeout=timeout,
+            check=False,
+        )
 
     def ip(self, service: str, network: str) -> str:
         """The service container's address on a network of the project (compose names it PROJECT_NETWORK)."""
@@ -420,8 +469,11 @@ class Stack:
         unavailable; None while it does not answer."""
         try:
             # With the key: /health tells a keyless caller only up or down.
-            return httpx.get(f"{self.gateway}/health", timeout=2,
-                             headers={"Authorization": f"Bearer {self.cfg.api_key}"}).json().get("status")
+            return (
+                httpx.get(f"{self.gateway}/health", timeout=2, headers={"Authorization": f"Bearer {self.cfg.api_key}"})
+                .json()
+                .get("status")
+            )
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
 
@@ -478,14 +530,21 @@ class Stack:
         for service in SERVICES:
             mine = [s for s in self.samples if s.service == service]
             healthy = next((s.t for s in mine if s.health == "healthy"), None)
-            self.figures.add(f"{self.name}: {service} healthy after (first start)",
-                             f"{healthy:.0f}s" if healthy is not None else "never")
-            self.figures.add(f"{self.name}: {service} peak RSS (sum over processes, ps)",
-                             human(max((s.rss for s in mine), default=0)))
-            self.figures.add(f"{self.name}: {service} peak anonymous memory (cgroup)",
-                             human(max((s.anon for s in mine), default=0)))
-            self.figures.add(f"{self.name}: {service} peak memory (cgroup max usage since its last start)",
-                             human(peaks.get(service, 0)))
+            self.figures.add(
+                f"{self.name}: {service} healthy after (first start)",
+                f"{healthy:.0f}s" if healthy is not None else "never",
+            )
+            self.figures.add(
+                f"{self.name}: {service} peak RSS (sum over processes, ps)",
+                human(max((s.rss for s in mine), default=0)),
+            )
+            self.figures.add(
+                f"{self.name}: {service} peak anonymous memory (cgroup)", human(max((s.anon for s in mine), default=0))
+            )
+            self.figures.add(
+                f"{self.name}: {service} peak memory (cgroup max usage since its last start)",
+                human(peaks.get(service, 0)),
+            )
         self.figures.add(f"{self.name}: stack wall time (up to down)", f"{time.monotonic() - self.t0:.0f}s")
         say(f"stack {self.name}: service logs in {services_log}")
 
@@ -500,10 +559,15 @@ class Stack:
                             continue
                         state = info["State"]
                         health = (state.get("Health") or {}).get("Status") or state.get("Status", "?")
-                        sample = Sample(round(time.monotonic() - self.t0, 1), service, health,
-                                        tree_rss(state.get("Pid") or None), cgroup_anon_bytes(cid),
-                                        cgroup_peak_bytes(cid))
-                    except Exception as exc:  # noqa: BLE001 - a container between states; the monitor goes on
+                        sample = Sample(
+                            round(time.monotonic() - self.t0, 1),
+                            service,
+                            health,
+                            tree_rss(state.get("Pid") or None),
+                            cgroup_anon_bytes(cid),
+                            cgroup_peak_bytes(cid),
+                        )
+                    except Exception as exc:
                         say(f"monitor {self.name}: {service}: {type(exc).__name__}: {exc}")
                         continue
                     self.samples.append(sample)

@@ -29,8 +29,9 @@ def test_no_build_host_ca_in_any_layer(cfg: Config, docker: Docker, images, figu
     result = run([*scan, *images.all], timeout=3600, log_path=LOGS / "secrets.log", check=False)
     found = [line for line in (LOGS / "secrets.log").read_text().splitlines() if "FOUND" in line]
     assert result.returncode == 0, f"CA material in an image layer: {found[:10]} (log {LOGS / 'secrets.log'})"
-    (tmp_path / "Dockerfile").write_text("FROM debian:bookworm-slim\n"
-                                         "RUN --mount=type=secret,id=ca cp /run/secrets/ca /tmp/leaked\n")
+    (tmp_path / "Dockerfile").write_text(
+        "FROM debian:bookworm-slim\nRUN --mount=type=secret,id=ca cp /run/secrets/ca /tmp/leaked\n"
+    )
     docker("build", "-q", "--secret", f"id=ca,src={cfg.ca_bundle}", "-t", CONTROL, str(tmp_path), timeout=900)
     try:
         caught = run([*scan, CONTROL], timeout=900, check=False).returncode != 0
@@ -46,15 +47,26 @@ def run_image(docker: Docker, image: str, *args: str, timeout: float = 600):
     name = f"mmcpu-e2e-run-{uuid.uuid4().hex[:8]}"
     try:
         # No network: nothing here needs one, and none is then touched (nor needed: the default bridge).
-        return run([docker.binary, "run", "--rm", "--network", "none", "--name", name, *args], timeout=timeout,
-                   check=False, merge=True)
+        return run(
+            [docker.binary, "run", "--rm", "--network", "none", "--name", name, *args],
+            timeout=timeout,
+            check=False,
+            merge=True,
+        )
     finally:
         docker("rm", "-f", name, check=False)
 
 
 def test_runtime_is_non_root_without_build_tools(docker: Docker, images):
-    result = run_image(docker, images.patched, "--entrypoint", "sh", images.patched, "-c",
-                       "id -u; for t in gcc cc g++ c++ clang make as ld; do command -v $t; done; true")
+    result = run_image(
+        docker,
+        images.patched,
+        "--entrypoint",
+        "sh",
+        images.patched,
+        "-c",
+        "id -u; for t in gcc cc g++ c++ clang make as ld; do command -v $t; done; true",
+    )
     lines = result.stdout.split()
     assert lines[:1] == ["10001"], f"the runtime does not run as uid 10001: {result.stdout}"
     assert lines[1:] == [], f"the runtime has build tools: {lines[1:]}"
@@ -89,8 +101,19 @@ def orphan_left_behind(docker: Docker, image: str, *entrypoint: str) -> tuple[st
     to PID 1, which must reap it. -> (PID 1's name, the zombies left 3 s after the orphan exited)."""
     name = f"mmcpu-e2e-init-{uuid.uuid4().hex[:8]}"
     try:
-        docker("run", "-d", "--network", "none", "--name", name, "-e", f"MMCPU_API_KEY={secrets.token_urlsafe(16)}",
-               *entrypoint, image, "gateway")
+        docker(
+            "run",
+            "-d",
+            "--network",
+            "none",
+            "--name",
+            name,
+            "-e",
+            f"MMCPU_API_KEY={secrets.token_urlsafe(16)}",
+            *entrypoint,
+            image,
+            "gateway",
+        )
         wait_for(f"{name} running", lambda: docker("exec", name, "true", check=False).returncode == 0, 60)
         docker("exec", name, "sh", "-c", "sleep 1 & exit 0")
         time.sleep(4)
@@ -122,8 +145,19 @@ def canon(name: str) -> str:
 
 
 def python_distributions(docker: Docker, image: str) -> dict[str, str]:
-    result = run_image(docker, image, "--entrypoint", "python", image, "-m", "pip", "list", "--format", "json",
-                       "--disable-pip-version-check")
+    result = run_image(
+        docker,
+        image,
+        "--entrypoint",
+        "python",
+        image,
+        "-m",
+        "pip",
+        "list",
+        "--format",
+        "json",
+        "--disable-pip-version-check",
+    )
     assert result.returncode == 0, result.stdout[-2000:]
     return {canon(d["name"]): d["version"] for d in json.loads(result.stdout.strip().splitlines()[-1])}
 
@@ -148,23 +182,33 @@ def test_sbom_lists_exactly_the_runtime(docker: Docker, images, figures: Figures
     listed = {canon(c["name"]): c["version"] for c in sboms["python"]["components"]}
     root = sboms["python"]["metadata"]["component"]
     assert (canon(root["name"]), root["version"]) == ("mmcpu", installed.pop("mmcpu"))
-    assert listed == installed, (f"SBOM vs venv: only in the SBOM {sorted(set(listed.items()) - set(installed.items()))}, "
-                                 f"only installed {sorted(set(installed.items()) - set(listed.items()))}")
-    dpkg = run_image(docker, images.patched, "--entrypoint", "dpkg-query", images.patched, "-W", "-f",
-                     "${Package} ${Version}\\n")
+    assert listed == installed, (
+        f"SBOM vs venv: only in the SBOM {sorted(set(listed.items()) - set(installed.items()))}, "
+        f"only installed {sorted(set(installed.items()) - set(listed.items()))}"
+    )
+    dpkg = run_image(
+        docker, images.patched, "--entrypoint", "dpkg-query", images.patched, "-W", "-f", "${Package} ${Version}\\n"
+    )
     packages = {tuple(line.split(" ", 1)) for line in dpkg.stdout.strip().splitlines()}
-    debian = {(c["name"], c["version"]) for c in sboms["debian"]["components"]
-              if "arch=source" not in c.get("purl", "")}
-    assert debian == packages, (f"SBOM vs dpkg: only in the SBOM {sorted(debian - packages)[:10]}, "
-                                f"only installed {sorted(packages - debian)[:10]}")
-    assert ("tini" in {name for name, _ in debian}), "tini is not in the Debian SBOM"
+    debian = {
+        (c["name"], c["version"]) for c in sboms["debian"]["components"] if "arch=source" not in c.get("purl", "")
+    }
+    assert debian == packages, (
+        f"SBOM vs dpkg: only in the SBOM {sorted(debian - packages)[:10]}, "
+        f"only installed {sorted(packages - debian)[:10]}"
+    )
+    assert "tini" in {name for name, _ in debian}, "tini is not in the Debian SBOM"
     test_only = packages_only_tests_use()
     assert {"jiwer", "srt", "webvtt-py", "pytest"} <= test_only
-    assert not test_only & set(installed), f"test-only packages in the runtime image: {sorted(test_only & set(installed))}"
+    assert not test_only & set(installed), (
+        f"test-only packages in the runtime image: {sorted(test_only & set(installed))}"
+    )
     # The smoke image is where the smoke client's extra goes.
     assert "jiwer" in python_distributions(docker, images.smoke), "the smoke image lacks its smoke extra (jiwer)"
     base = (docker.inspect(images.patched) or {})["Config"]["Labels"].get("io.mmcpu.base-image", "")
     say(f"SBOM: {len(listed)} Python distributions + mmcpu, {len(debian)} Debian packages; base {base}")
-    figures.add("runtime: SBOM (CycloneDX)", f"{len(listed) + 1} Python distributions, {len(debian)} Debian "
-                                             f"packages; no test-only package")
+    figures.add(
+        "runtime: SBOM (CycloneDX)",
+        f"{len(listed) + 1} Python distributions, {len(debian)} Debian packages; no test-only package",
+    )
     figures.add("runtime: base image", base or "?")

@@ -20,8 +20,21 @@ from mmcpu.config import Settings
 from mmcpu_dev.servers import MRV2_LOG_LINE
 from mmcpu_dev.smoke import read_load
 
-from .harness import (LOGS, OTHER, PROCESSES, SERVICES, Config, Figures, Stack, Tally, docker_time, say, stopped,
-                      wait_for, zombies)
+from .harness import (
+    LOGS,
+    OTHER,
+    PROCESSES,
+    SERVICES,
+    Config,
+    Figures,
+    Stack,
+    Tally,
+    docker_time,
+    say,
+    stopped,
+    wait_for,
+    zombies,
+)
 
 pytestmark = pytest.mark.e2e
 faults = pytest.mark.skipif(not Config.from_env().faults, reason="E2E_FAULTS=0")
@@ -77,11 +90,14 @@ def test_hung_engine_core_is_detected_and_recovers(stack: Stack, cfg: Config, fi
                 break
             time.sleep(2)
         waiting = [w.result(timeout=HANG_WAITER_S + 30) for w in waiters]
-    say(f"fault {svc} hung: the waiting requests ended {', '.join(map(str, waiting))}; {other} answered "
-        f"{others.ok} x 200, {len(others.bad)} x not")
+    say(
+        f"fault {svc} hung: the waiting requests ended {', '.join(map(str, waiting))}; {other} answered "
+        f"{others.ok} x 200, {len(others.bad)} x not"
+    )
     assert others.ok >= 1 and not others.bad, f"{svc} hung: {other} stopped answering: {others.bad[:3]}"
-    assert all(a.status == 503 and a.code == "engine_unavailable" for a in waiting), \
+    assert all(a.status == 503 and a.code == "engine_unavailable" for a in waiting), (
         f"{svc} hung: the gateway did not answer its waiting requests with 503 engine_unavailable: {waiting}"
+    )
     assert t_exit is not None, f"{svc} hung: the launcher did not exit for a restart within {HANG_DETECT_S} s"
     # The exit as Docker recorded it (the poll above is as coarse as a vision request plus 2 s).
     exited = docker_time(stack.state(svc).get("FinishedAt", ""))
@@ -95,8 +111,10 @@ def test_hung_engine_core_is_detected_and_recovers(stack: Stack, cfg: Config, fi
     hung_lines = [line for line in stack.container_log(svc).splitlines() if hung in line]
     assert len(hung_lines) == 1, f"{svc} hung: expected one launcher line about the hang, found {hung_lines}"
     say(f"fault {svc}: {hung_lines[0]}")
-    figures.add(f"fault: {svc} EngineCore SIGSTOP -> gateway 503s",
-                f"{max(a.seconds for a in waiting):.0f}s (waiting requests; new ones < {QUICK_S} s)")
+    figures.add(
+        f"fault: {svc} EngineCore SIGSTOP -> gateway 503s",
+        f"{max(a.seconds for a in waiting):.0f}s (waiting requests; new ones < {QUICK_S} s)",
+    )
     figures.add(f"fault: {svc} EngineCore SIGSTOP -> launcher exits", f"{t_exit:.0f}s")
     figures.add(f"fault: {svc} EngineCore SIGSTOP -> serving again", f"{back:.0f}s")
 
@@ -124,8 +142,10 @@ def test_killed_engine_comes_back_by_itself(stack: Stack, cfg: Config, figures: 
         others.add(probe(other, 60))
         time.sleep(2)
     quick = [a for a in down if a.status == 503 and a.seconds < QUICK_S]
-    say(f"fault {svc}: while down, {len(quick)} quick 503s (< {QUICK_S} s) of {len(down)}; {other} answered "
-        f"{others.ok} x 200, {len(others.bad)} x not")
+    say(
+        f"fault {svc}: while down, {len(quick)} quick 503s (< {QUICK_S} s) of {len(down)}; {other} answered "
+        f"{others.ok} x 200, {len(others.bad)} x not"
+    )
     assert quick, f"{svc} down: its route did not answer 503 quickly through the gateway: {down[:3]}"
     assert others.ok >= 1 and not others.bad, f"{svc} down: {other} stopped answering: {others.bad[:3]}"
     back, _ = probe.until_ok(svc, t_kill, cfg.restart_s)
@@ -133,8 +153,9 @@ def test_killed_engine_comes_back_by_itself(stack: Stack, cfg: Config, figures: 
     assert restarts > restarts0, f"{svc} answered again, but Docker did not restart it (RestartCount {restarts})"
     figures.add(f"fault: {svc} {what} killed -> serving again", f"{back:.0f}s (restarts {restarts0} -> {restarts})")
     if what == "engine-core":
-        assert f"[mmcpu] {svc}: {svc} exited with 0 without a stop request" in stack.container_log(svc), \
+        assert f"[mmcpu] {svc}: {svc} exited with 0 without a stop request" in stack.container_log(svc), (
             f"{svc}: no launcher line about the unrequested exit in its log"
+        )
 
 
 @faults
@@ -145,8 +166,9 @@ def test_gateway_restart_loses_no_request_outside_its_window(stack: Stack, figur
     # The load runs until this test has seen what it needs, then is told to stop (a file in its container): the
     # window's length depends on the machine (the gateway drains its requests in flight), so no fixed duration
     # fits every one. --duration-s only caps it should the stop never arrive.
-    with stack.smoke_background(log_path, "--load", "100000", "--duration-s", "600", "--concurrency", "4",
-                                "--stop-file", stop_file) as load:
+    with stack.smoke_background(
+        log_path, "--load", "100000", "--duration-s", "600", "--concurrency", "4", "--stop-file", stop_file
+    ) as load:
         wait_for("the load getting going", lambda: len(read_load(load.output())[0]) >= 6 or not load.running(), 300)
         assert load.running(), f"the load ended before the restart: {load.output()[-1000:]}"
         # `compose restart` does not use stop_grace_period (10 s, docker/compose#10670): give the gateway the
@@ -171,9 +193,11 @@ def test_gateway_restart_loses_no_request_outside_its_window(stack: Stack, figur
     lost = [r for r in records if not r["ok"] and r not in inside]
     after = [r for r in records if r["t0"] > t_b + 0.5 and r["ok"]]
     spanning = [r for r in records if r["t0"] < t_a < r["t1"] and r["ok"]]
-    say(f"gateway restart window {t_b - t_a:.1f}s: {len(records)} requests, {sum(not r['ok'] for r in inside)} of "
+    say(
+        f"gateway restart window {t_b - t_a:.1f}s: {len(records)} requests, {sum(not r['ok'] for r in inside)} of "
         f"{len(inside)} started inside it failed, {len(lost)} outside; {len(spanning)} in flight at the restart "
-        f"completed; {len(after)} ok after it")
+        f"completed; {len(after)} ok after it"
+    )
     figures.add("fault: gateway restart window (restart -> /ping)", f"{t_b - t_a:.1f}s")
     assert not lost, f"the gateway restart lost requests outside its window: {lost[:5]} (log {log_path})"
     assert after, f"no request succeeded after the gateway restart (log {log_path})"
@@ -186,10 +210,12 @@ def test_compose_stop_drains_a_long_transcription(stack: Stack, cfg: Config, fig
     log_path = LOGS / "fault-stop-long.log"
     with stack.smoke_background(log_path, "--long-s", f"{cfg.long_s:g}") as client:
         wait_for("the long transcription being sent", lambda: "[long] sending" in client.output(), 300)
+
         # Stop only once the engine really runs it (vLLM's gauge), else this would pass with nothing in flight.
         def in_flight() -> bool:
-            assert "[long] PASS" not in client.output() and "[long] FAIL" not in client.output(), \
+            assert "[long] PASS" not in client.output() and "[long] FAIL" not in client.output(), (
                 "the transcription ended before the stop (make E2E_LONG_S longer)"
+            )
             return stack.running_requests("audio") > 0
 
         wait_for("the long transcription running on the audio engine", in_flight, 120, every_s=0.5)
@@ -204,13 +230,17 @@ def test_compose_stop_drains_a_long_transcription(stack: Stack, cfg: Config, fig
         for line in long_lines:
             say(line)
         state = stack.state("audio")
-        assert any(line.startswith("[long] PASS") for line in long_lines), \
+        assert any(line.startswith("[long] PASS") for line in long_lines), (
             f"the transcription in flight did not complete across the stop: {long_lines}"
-        assert "EngineCore: draining in-flight requests" in stack.container_log("audio"), \
+        )
+        assert "EngineCore: draining in-flight requests" in stack.container_log("audio"), (
             "audio's vLLM did not log a drain on SIGTERM"
+        )
         assert state["ExitCode"] == 0, f"audio stopped with {state['ExitCode']} (137: killed after the grace period)"
-        figures.add("fault: compose stop audio with a long transcription in flight",
-                    f"stopped after {stop_s:.0f}s, request completed, exit 0")
+        figures.add(
+            "fault: compose stop audio with a long transcription in flight",
+            f"stopped after {stop_s:.0f}s, request completed, exit 0",
+        )
     finally:  # audio comes back whatever the result: the tests after this one need it
         stack.compose("start", "audio", timeout=300)
     figures.add("audio start -> healthy (restart, warm volume)", f"{stack.wait_healthy('audio', cfg.restart_s):.0f}s")
@@ -223,11 +253,17 @@ def test_mixed_load_has_no_failures(stack: Stack, cfg: Config, figures: Figures)
     records, s = read_load(log_path.read_text(errors="replace"))
     failed = [r for r in records if not r["ok"]]
     if s:
-        parts = [f"{k} {v['failures']}/{v['n']} failed p50 {v['p50_s']}s p95 {v['p95_s']}s"
-                 for k, v in s.items() if isinstance(v, dict)]
-        figures.add("patched: mixed load", f"{s['requests']} requests, concurrency {s['concurrency']}, "
-                                           f"{s['failures']} failures, p50 {s['p50_s']}s, p95 {s['p95_s']}s, "
-                                           f"{s['wall_s']}s; " + ", ".join(parts))
+        parts = [
+            f"{k} {v['failures']}/{v['n']} failed p50 {v['p50_s']}s p95 {v['p95_s']}s"
+            for k, v in s.items()
+            if isinstance(v, dict)
+        ]
+        figures.add(
+            "patched: mixed load",
+            f"{s['requests']} requests, concurrency {s['concurrency']}, "
+            f"{s['failures']} failures, p50 {s['p50_s']}s, p95 {s['p95_s']}s, "
+            f"{s['wall_s']}s; " + ", ".join(parts),
+        )
     assert s is not None, f"the load printed no summary (exit {code}; log {log_path})"
     assert code == 0 and not failed, f"the mixed load had failures: {failed[:5]} (log {log_path})"
 
@@ -283,8 +319,10 @@ def test_services_run_hardened_under_tini_and_leave_no_zombie(stack: Stack, figu
     stale = {svc: first[svc] & zombies(stack.exec_python(svc, PROCESSES).stdout) for svc in SERVICES}
     assert not any(stale.values()), f"zombies not reaped: {stale}"
     say(f"hardening as running: {seen}")
-    figures.add("patched: every service as running", "tini PID 1, uid 10001, no capabilities, no_new_privs, read-only "
-                                                     "root, no zombie after the faults")
+    figures.add(
+        "patched: every service as running",
+        "tini PID 1, uid 10001, no capabilities, no_new_privs, read-only root, no zombie after the faults",
+    )
 
 
 def test_engines_are_reachable_only_from_the_gateway(stack: Stack, figures: Figures):
@@ -293,8 +331,9 @@ def test_engines_are_reachable_only_from_the_gateway(stack: Stack, figures: Figu
     nothing off its network (here: the gateway's address on the default network)."""
     audio_ip, vision_ip = stack.ip("audio", "engines"), stack.ip("vision", "engines")
     gateway_ip = stack.ip("gateway", "default")
-    client = stack.run_python("smoke", CONNECT, "gateway:8000", "audio:8001", "vision:8002", f"{audio_ip}:8001",
-                              f"{vision_ip}:8002")
+    client = stack.run_python(
+        "smoke", CONNECT, "gateway:8000", "audio:8001", "vision:8002", f"{audio_ip}:8001", f"{vision_ip}:8002"
+    )
     assert client.returncode == 0, client.stdout + client.stderr
     seen = json.loads(client.stdout.strip().splitlines()[-1])
     assert seen["gateway:8000"] == "connected", f"the client container does not reach the gateway: {seen}"
@@ -305,8 +344,11 @@ def test_engines_are_reachable_only_from_the_gateway(stack: Stack, figures: Figu
     out = json.loads(stack.exec_python("audio", CONNECT, f"{gateway_ip}:8000").stdout)
     assert out[f"{gateway_ip}:8000"] != "connected", f"an engine reaches off its network: {out}"
     say(f"network: client -> {seen}; audio -> {out}")
-    figures.add("patched: engines' network", "a client reaches the gateway only; an engine nothing off its network "
-                                             f"({out[f'{gateway_ip}:8000'].split(':')[0]})")
+    figures.add(
+        "patched: engines' network",
+        "a client reaches the gateway only; an engine nothing off its network "
+        f"({out[f'{gateway_ip}:8000'].split(':')[0]})",
+    )
 
 
 def test_each_service_holds_only_its_own_keys(stack: Stack, cfg: Config):
@@ -335,8 +377,10 @@ print(status({}), status({"Authorization": "Bearer " + os.environ["MMCPU_ENGINE_
 """
 
 
-@pytest.mark.skipif("engine_api_key" not in Settings.model_fields,
-                    reason="no MMCPU_ENGINE_API_KEY setting in this tree: engines take no internal key yet")
+@pytest.mark.skipif(
+    "engine_api_key" not in Settings.model_fields,
+    reason="no MMCPU_ENGINE_API_KEY setting in this tree: engines take no internal key yet",
+)
 def test_engines_refuse_requests_without_the_internal_key(stack: Stack):
     for svc, port in (("audio", 8001), ("vision", 8002)):
         result = stack.exec_python("gateway", ENGINE_MODELS, f"http://{svc}:{port}/v1/models")

@@ -51,8 +51,9 @@ def run_native(kernel: Any, launch: Launch) -> None:
     dispatch.run_native(entry, kernel.arg_names, launch.grid, launch.args, launch.kwargs)
 
 
-def assert_same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], *, what: str,
-                atol: dict[str, float] | None = None) -> None:
+def assert_same(
+    ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], *, what: str, atol: dict[str, float] | None = None
+) -> None:
     """Exact comparison (NaN == NaN, signed zeros distinguished), or within ``atol[name]`` for the names given."""
     assert ref.keys() == got.keys()
     for name in ref:
@@ -66,14 +67,17 @@ def assert_same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], *, w
                 bad |= (a == 0) & (b == 0) & (a.signbit() != b.signbit())  # -0.0 vs +0.0 is a difference
             if bool(bad.any()):
                 idx = bad.nonzero()[:5].tolist()
-                raise AssertionError(f"{what}: {name} differs at {idx} ({int(bad.sum())} elements): "
-                                     f"ref {[a[tuple(i)].item() for i in idx]} native {[b[tuple(i)].item() for i in idx]}")
+                raise AssertionError(
+                    f"{what}: {name} differs at {idx} ({int(bad.sum())} elements): "
+                    f"ref {[a[tuple(i)].item() for i in idx]} native {[b[tuple(i)].item() for i in idx]}"
+                )
         else:
-            torch.testing.assert_close(b, a, atol=tol, rtol=0, equal_nan=True, msg=lambda m: f"{what}: {name}: {m}")
+            torch.testing.assert_close(b, a, atol=tol, rtol=0, equal_nan=True, msg=lambda m: f"{what}: {name}: {m}")  # noqa: B023
 
 
-def differential(kernel: Any, make: Callable[[int], Launch], seeds: range | list[int], *,
-                 atol: dict[str, float] | None = None) -> int:
+def differential(
+    kernel: Any, make: Callable[[int], Launch], seeds: range | list[int], *, atol: dict[str, float] | None = None
+) -> int:
     """Run every seed's case both ways and compare; returns how many cases ran."""
     n = 0
     for seed in seeds:

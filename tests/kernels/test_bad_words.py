@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, assert_same, differential, native_launches, run_native
-
 import vllm.envs as envs
+from diff import Launch, assert_same, differential, native_launches, run_native
 from vllm.v1.worker.gpu.sample import bad_words as vmod
 
 SHAPES = [(1, 100), (4, 1000), (6, 5003)]  # (requests, vocab)
@@ -41,11 +40,11 @@ def make_case(num_reqs: int, vocab: int, dtype: torch.dtype = torch.float32, *, 
             if torch.rand((), generator=g) < 0.25:
                 continue  # no bad words for this request
             flat, offs = [], [0]
-            out = all_token_ids[r, int(prompt_len[r]): int(total_len[r])].tolist()
+            out = all_token_ids[r, int(prompt_len[r]) : int(total_len[r])].tolist()
             for _ in range(int(ri(1, 8))):
                 n = int(ri(1, 5))
                 if out and torch.rand((), generator=g) < 0.3:  # plant the output's tail as the prefix
-                    prefix = out[-(n - 1):] if n > 1 else []
+                    prefix = out[-(n - 1) :] if n > 1 else []
                 else:
                     prefix = ri(0, 3, (n - 1,)).tolist()
                 flat += prefix + [int(ri(0, vocab))]
@@ -56,11 +55,34 @@ def make_case(num_reqs: int, vocab: int, dtype: torch.dtype = torch.float32, *, 
         max_words = max(int(num_words[mapping.long()].max()), 1)
 
         logits = (torch.randn(num_tokens + 1, vocab + 3, generator=g) * 3).to(dtype)
-        args = (logits, logits.stride(0), mapping, word_tokens, word_tokens.stride(0), offsets, offsets.stride(0),
-                num_words, all_token_ids, all_token_ids.stride(0), prompt_len, total_len, input_ids, local_pos)
-        watch = {"logits": logits, "mapping": mapping, "word_tokens": word_tokens, "offsets": offsets,
-                 "num_words": num_words, "all_token_ids": all_token_ids, "prompt_len": prompt_len,
-                 "total_len": total_len, "input_ids": input_ids, "local_pos": local_pos}
+        args = (
+            logits,
+            logits.stride(0),
+            mapping,
+            word_tokens,
+            word_tokens.stride(0),
+            offsets,
+            offsets.stride(0),
+            num_words,
+            all_token_ids,
+            all_token_ids.stride(0),
+            prompt_len,
+            total_len,
+            input_ids,
+            local_pos,
+        )
+        watch = {
+            "logits": logits,
+            "mapping": mapping,
+            "word_tokens": word_tokens,
+            "offsets": offsets,
+            "num_words": num_words,
+            "all_token_ids": all_token_ids,
+            "prompt_len": prompt_len,
+            "total_len": total_len,
+            "input_ids": input_ids,
+            "local_pos": local_pos,
+        }
         return Launch(grid=(num_tokens, max_words), args=args, watch=watch)
 
     return make

@@ -11,12 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from diff import Launch, differential, native_launches, pointer_table, run_native
-
 from vllm.v1.worker.gpu import block_table as vmod
 
 PAD_SLOT_ID = -1
-
-
 
 
 def _garbage(g, *shape, dtype=torch.int32):
@@ -40,25 +37,42 @@ def gather_case(num_groups: int, max_reqs: int, max_blocks: list[int], block: in
         strides = torch.tensor([t.stride(0) for t in src], dtype=torch.int64)
         watch = {"idx": idx, "num_blocks": wide, "strides": strides}
         watch |= {f"src{i}": t for i, t in enumerate(src)} | {f"dst{i}": t for i, t in enumerate(dst)}
-        return Launch(grid=(num_groups, padded),
-                      args=(idx, src_ptrs, dst_ptrs, strides, num_blocks, num_blocks.stride(0), num_reqs),
-                      kwargs={"BLOCK_SIZE": block}, watch=watch, keep=[src, dst])
+        return Launch(
+            grid=(num_groups, padded),
+            args=(idx, src_ptrs, dst_ptrs, strides, num_blocks, num_blocks.stride(0), num_reqs),
+            kwargs={"BLOCK_SIZE": block},
+            watch=watch,
+            keep=[src, dst],
+        )
 
     return make
 
 
-@pytest.mark.parametrize("num_groups,max_reqs,max_blocks,block", [
-    (1, 4, [7], 1024),
-    (2, 6, [28, 9], 1024),  # Whisper: full attention + cross attention
-    (3, 5, [40, 3, 17], 16),  # BLOCK_SIZE smaller than a row: the kernel's loop runs several times
-])
+@pytest.mark.parametrize(
+    "num_groups,max_reqs,max_blocks,block",
+    [
+        (1, 4, [7], 1024),
+        (2, 6, [28, 9], 1024),  # Whisper: full attention + cross attention
+        (3, 5, [40, 3, 17], 16),  # BLOCK_SIZE smaller than a row: the kernel's loop runs several times
+    ],
+)
 def test_gather_block_tables(num_groups, max_reqs, max_blocks, block):
-    assert differential(vmod._gather_block_tables_kernel, gather_case(num_groups, max_reqs, max_blocks, block),
-                        range(5)) == 5
+    assert (
+        differential(vmod._gather_block_tables_kernel, gather_case(num_groups, max_reqs, max_blocks, block), range(5))
+        == 5
+    )
 
 
-def slots_case(block_sizes: list[int], max_reqs: int, max_model_len: int, *, cp_size: int = 1,
-               cp_interleave: int = 1, block: int = 1024, dummies: bool = False):
+def slots_case(
+    block_sizes: list[int],
+    max_reqs: int,
+    max_model_len: int,
+    *,
+    cp_size: int = 1,
+    cp_interleave: int = 1,
+    block: int = 1024,
+    dummies: bool = False,
+):
     """``dummies``: some requests are dummy runs (idx_mapping -1), some groups have slot mapping disabled or
     are not DCP-sharded (the per-group flags are random either way)."""
     num_groups = len(block_sizes)
@@ -73,14 +87,16 @@ def slots_case(block_sizes: list[int], max_reqs: int, max_model_len: int, *, cp_
         max_tokens = num_tokens + int(torch.randint(0, 12, (1,), generator=g))
         qsl = torch.full((max_reqs + 1,), num_tokens, dtype=torch.int32)  # padded as prepare_inputs does
         qsl[0] = 0
-        qsl[1:num_reqs + 1] = query_lens.cumsum(0)
-        qsl = qsl[:padded + 1]
+        qsl[1 : num_reqs + 1] = query_lens.cumsum(0)
+        qsl = qsl[: padded + 1]
         pos = _garbage(g, max_tokens + 3, dtype=torch.int64)
         for b in range(num_reqs):
             start = int(torch.randint(0, max_model_len - int(query_lens[b]) + 1, (1,), generator=g))
-            pos[int(qsl[b]):int(qsl[b + 1])] = torch.arange(start, start + int(query_lens[b]))
-        tables = [torch.randint(0, 5000, (max_reqs, -(-max_model_len // (bs * cp_size))), generator=g,
-                                dtype=torch.int32) for bs in block_sizes]
+            pos[int(qsl[b]) : int(qsl[b + 1])] = torch.arange(start, start + int(query_lens[b]))
+        tables = [
+            torch.randint(0, 5000, (max_reqs, -(-max_model_len // (bs * cp_size))), generator=g, dtype=torch.int32)
+            for bs in block_sizes
+        ]
         ptrs = pointer_table(tables)
         strides = torch.tensor([t.stride(0) for t in tables], dtype=torch.int64)
         sizes = torch.tensor(block_sizes, dtype=torch.int32)
@@ -93,23 +109,53 @@ def slots_case(block_sizes: list[int], max_reqs: int, max_model_len: int, *, cp_
             sharded = torch.rand(num_groups, generator=g) < 0.5
         slots = _garbage(g, num_groups, max_tokens, dtype=torch.int64)
         cp_rank = int(torch.randint(0, cp_size, (1,), generator=g))
-        watch = {"idx": idx, "qsl": qsl, "pos": pos, "strides": strides, "sizes": sizes, "enabled": enabled,
-                 "sharded": sharded, "slots": slots} | {f"table{i}": t for i, t in enumerate(tables)}
-        return Launch(grid=(num_groups, num_reqs + 1),
-                      args=(slots.shape[1], idx, qsl, pos, ptrs, strides, sizes, enabled, sharded, slots,
-                            slots.stride(0), cp_rank),
-                      kwargs={"CP_SIZE": cp_size, "CP_INTERLEAVE": cp_interleave, "PAD_ID": PAD_SLOT_ID,
-                              "TRITON_BLOCK_SIZE": block},
-                      watch=watch, keep=[tables])
+        watch = {
+            "idx": idx,
+            "qsl": qsl,
+            "pos": pos,
+            "strides": strides,
+            "sizes": sizes,
+            "enabled": enabled,
+            "sharded": sharded,
+            "slots": slots,
+        } | {f"table{i}": t for i, t in enumerate(tables)}
+        return Launch(
+            grid=(num_groups, num_reqs + 1),
+            args=(
+                slots.shape[1],
+                idx,
+                qsl,
+                pos,
+                ptrs,
+                strides,
+                sizes,
+                enabled,
+                sharded,
+                slots,
+                slots.stride(0),
+                cp_rank,
+            ),
+            kwargs={
+                "CP_SIZE": cp_size,
+                "CP_INTERLEAVE": cp_interleave,
+                "PAD_ID": PAD_SLOT_ID,
+                "TRITON_BLOCK_SIZE": block,
+            },
+            watch=watch,
+            keep=[tables],
+        )
 
     return make
 
 
-@pytest.mark.parametrize("block_sizes,max_reqs,max_model_len,block", [
-    ([16], 4, 100, 1024),
-    ([16, 32], 6, 448, 1024),
-    ([4, 16, 64], 5, 300, 4),  # small TRITON_BLOCK_SIZE: several loop iterations per request
-])
+@pytest.mark.parametrize(
+    "block_sizes,max_reqs,max_model_len,block",
+    [
+        ([16], 4, 100, 1024),
+        ([16, 32], 6, 448, 1024),
+        ([4, 16, 64], 5, 300, 4),  # small TRITON_BLOCK_SIZE: several loop iterations per request
+    ],
+)
 def test_compute_slot_mappings(block_sizes, max_reqs, max_model_len, block):
     make = slots_case(block_sizes, max_reqs, max_model_len, block=block)
     assert differential(vmod._compute_slot_mappings_kernel, make, range(5)) == 5
@@ -133,7 +179,7 @@ def test_compute_slot_mappings_dummy_requests_and_disabled_groups():
         qsl, idx, slots = case.watch["qsl"], case.watch["idx"], case.watch["slots"]
         for b in range(idx.shape[0]):
             for grp in range(slots.shape[0]):
-                tokens = slots[grp, int(qsl[b]):int(qsl[b + 1])]
+                tokens = slots[grp, int(qsl[b]) : int(qsl[b + 1])]
                 if int(idx[b]) < 0 or not bool(case.watch["enabled"][grp]):
                     assert bool((tokens == PAD_SLOT_ID).all())
                     padded += tokens.numel()
@@ -146,8 +192,13 @@ def _block_tables(monkeypatch):
     from vllm.v1.worker.gpu import buffer_utils
 
     monkeypatch.setattr(buffer_utils, "UvaBuffer", UvaBuffer)
-    return vmod.BlockTables(block_sizes=[16, 32], max_num_reqs=6, max_num_batched_tokens=40,
-                            max_num_blocks_per_group=[10, 5], device=torch.device("cpu"))
+    return vmod.BlockTables(
+        block_sizes=[16, 32],
+        max_num_reqs=6,
+        max_num_batched_tokens=40,
+        max_num_blocks_per_group=[10, 5],
+        device=torch.device("cpu"),
+    )
 
 
 def _step(bt: vmod.BlockTables) -> dict[str, torch.Tensor]:
@@ -160,9 +211,12 @@ def _step(bt: vmod.BlockTables) -> dict[str, torch.Tensor]:
     tables = bt.gather_block_tables(idx, num_reqs_padded=3)
     bt.compute_slot_mappings(idx, qsl, pos, num_tokens_padded=25)
     # The whole buffers: the kernels pad beyond what the launchers return.
-    return {"slots": bt.slot_mappings.clone(), **{f"table{i}": t.clone() for i, t in enumerate(tables)},
-            **{f"input_table{i}": t.clone() for i, t in enumerate(bt.input_block_tables)},
-            **{f"staged{i}": t.gpu.clone() for i, t in enumerate(bt.block_tables)}}
+    return {
+        "slots": bt.slot_mappings.clone(),
+        **{f"table{i}": t.clone() for i, t in enumerate(tables)},
+        **{f"input_table{i}": t.clone() for i, t in enumerate(bt.input_block_tables)},
+        **{f"staged{i}": t.gpu.clone() for i, t in enumerate(bt.block_tables)},
+    }
 
 
 def test_dispatch_routes_block_table_launchers(monkeypatch):

@@ -13,9 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diff import Launch, differential, native_launches, track_pointer_table
-
 from vllm.v1.worker.gpu import buffer_utils as vmod
-
 
 
 def _random(g, shape, dtype):
@@ -40,12 +38,20 @@ def _staging(g, values: torch.Tensor, spare: int = 4) -> torch.Tensor:
     """``values`` as the launch sees them: the front of a larger int32 staging buffer full of garbage."""
     buf = torch.randint(-(2**31), 2**31 - 1, (values.numel() + spare,), generator=g, dtype=torch.int64)
     buf = buf.to(torch.int32)
-    buf[:values.numel()] = values
-    return buf[:values.numel()]
+    buf[: values.numel()] = values
+    return buf[: values.numel()]
 
 
-def single_case(num_rows: int, cols: int, max_writes: int, dtype: torch.dtype, *, one_d: bool = False,
-                overlap: bool = False, block: int = 1024):
+def single_case(
+    num_rows: int,
+    cols: int,
+    max_writes: int,
+    dtype: torch.dtype,
+    *,
+    one_d: bool = False,
+    overlap: bool = False,
+    block: int = 1024,
+):
     def make(seed: int) -> Launch:
         g = torch.Generator().manual_seed(seed)
         n = int(torch.randint(1, max_writes + 1, (1,), generator=g))
@@ -56,11 +62,15 @@ def single_case(num_rows: int, cols: int, max_writes: int, dtype: torch.dtype, *
         else:
             out = _random(g, (num_rows, cols), dtype)
             rows, starts, lens = _writes(g, n, num_rows, cols, overlap)
-        contents = _random(g, (int(lens.sum()) + 3,), dtype)[:int(lens.sum())]
+        contents = _random(g, (int(lens.sum()) + 3,), dtype)[: int(lens.sum())]
         indices, starts_t, cu = _staging(g, rows), _staging(g, starts), _staging(g, lens.cumsum(0))
         watch = {"out": out, "indices": indices, "starts": starts_t, "contents": contents, "cu_lens": cu}
-        return Launch(grid=(n,), args=(out, out.stride(0), indices, starts_t, contents, cu, None),
-                      kwargs={"BLOCK_SIZE": block, "MULTI_GROUP": False}, watch=watch)
+        return Launch(
+            grid=(n,),
+            args=(out, out.stride(0), indices, starts_t, contents, cu, None),
+            kwargs={"BLOCK_SIZE": block, "MULTI_GROUP": False},
+            watch=watch,
+        )
 
     return make
 
@@ -101,18 +111,32 @@ def multi_case(num_rows: int, cols: list[int], max_writes: int, *, overlap: bool
         contents = _random(g, (int(lens.sum()),), torch.int32)
         gid_t = _staging(g, torch.tensor(gids))
         indices, starts_t, cu = _staging(g, rows), _staging(g, starts), _staging(g, lens.cumsum(0))
-        watch = {"strides": strides, "indices": indices, "starts": starts_t, "contents": contents, "cu_lens": cu,
-                 "group_ids": gid_t} | {f"table{i}": t for i, t in enumerate(tables)}
-        return Launch(grid=(len(gids),), args=(ptrs, strides, indices, starts_t, contents, cu, gid_t),
-                      kwargs={"BLOCK_SIZE": block, "MULTI_GROUP": True}, watch=watch, keep=[tables])
+        watch = {
+            "strides": strides,
+            "indices": indices,
+            "starts": starts_t,
+            "contents": contents,
+            "cu_lens": cu,
+            "group_ids": gid_t,
+        } | {f"table{i}": t for i, t in enumerate(tables)}
+        return Launch(
+            grid=(len(gids),),
+            args=(ptrs, strides, indices, starts_t, contents, cu, gid_t),
+            kwargs={"BLOCK_SIZE": block, "MULTI_GROUP": True},
+            watch=watch,
+            keep=[tables],
+        )
 
     return make
 
 
-@pytest.mark.parametrize("num_rows,cols,max_writes,block", [
-    (4, [7, 7], 3, 1024),  # Whisper: self- and cross-attention block tables
-    (6, [30, 5, 12], 4, 8),
-])
+@pytest.mark.parametrize(
+    "num_rows,cols,max_writes,block",
+    [
+        (4, [7, 7], 3, 1024),  # Whisper: self- and cross-attention block tables
+        (6, [30, 5, 12], 4, 8),
+    ],
+)
 def test_apply_write_multi_group(num_rows, cols, max_writes, block):
     make = multi_case(num_rows, cols, max_writes, block=block)
     assert differential(vmod._apply_write_kernel, make, range(5)) == 5
@@ -142,8 +166,11 @@ def _staged_step(monkeypatch) -> dict[str, torch.Tensor]:
     ptrs = torch.tensor([t.gpu.data_ptr() for t in groups], dtype=torch.uint64)
     strides = torch.tensor([t.gpu.stride(0) for t in groups], dtype=torch.int64)
     vmod.FusedStagedWriter(cpu, 8).apply(groups, ptrs, strides)
-    return {"tokens": tokens.gpu.clone(), "lens": lens.gpu.clone(),
-            **{f"group{i}": t.gpu.clone() for i, t in enumerate(groups)}}
+    return {
+        "tokens": tokens.gpu.clone(),
+        "lens": lens.gpu.clone(),
+        **{f"group{i}": t.gpu.clone() for i, t in enumerate(groups)},
+    }
 
 
 def test_dispatch_routes_apply_write(monkeypatch):

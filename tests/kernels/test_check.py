@@ -32,12 +32,16 @@ def native_mode(monkeypatch):
 def broken(monkeypatch):
     """Three kinds of problem: a stale guard (gumbel), no native version (min_p), a kernel nobody classified."""
     dispatch.load_native_modules()
-    monkeypatch.setitem(dispatch.REGISTRY, GUMBEL, dataclasses.replace(dispatch.REGISTRY[GUMBEL],
-                                                                       source_sha256="0" * 64))
+    monkeypatch.setitem(
+        dispatch.REGISTRY, GUMBEL, dataclasses.replace(dispatch.REGISTRY[GUMBEL], source_sha256="0" * 64)
+    )
     monkeypatch.delitem(dispatch.REGISTRY, MIN_P)
     monkeypatch.delitem(reachability.KERNELS, BAD_WORDS)
-    return {":".join(GUMBEL): "kernel source changed", ":".join(MIN_P): "no native implementation",
-            BAD_WORDS: "not classified"}
+    return {
+        ":".join(GUMBEL): "kernel source changed",
+        ":".join(MIN_P): "no native implementation",
+        BAD_WORDS: "not classified",
+    }
 
 
 def test_each_problem_is_named_with_its_reason(broken):
@@ -53,8 +57,12 @@ def test_each_problem_is_named_with_its_reason(broken):
 def fake_vllm(tmp_path, monkeypatch):
     """A vLLM package dir with the files the fingerprint reads (check.vllm_dir() answers it)."""
     vdir = tmp_path / "site" / "vllm"
-    for rel in ("v1/worker/gpu/__init__.py", "v1/worker/gpu/sample/gumbel.py", "v1/worker/utils.py",
-                "v1/sample/ops/topk_topp_triton.py"):
+    for rel in (
+        "v1/worker/gpu/__init__.py",
+        "v1/worker/gpu/sample/gumbel.py",
+        "v1/worker/utils.py",
+        "v1/sample/ops/topk_topp_triton.py",
+    ):
         (vdir / rel).parent.mkdir(parents=True, exist_ok=True)
         (vdir / rel).write_text(f"# {rel}\n")
     monkeypatch.setattr(check, "vllm_dir", lambda: vdir)
@@ -126,14 +134,20 @@ def test_cached_reads_a_fresh_stamp_without_running_the_check(fake_vllm, monkeyp
     assert problems == ["m:k: why"] and how.startswith("stamp ")
 
 
-@pytest.mark.parametrize("code,stdout,stderr,expected", [
-    (0, "", "all fine\n", []),
-    (2, "a:b: stale\nc:d: gone\n", "2 problem(s)\n", ["a:b: stale", "c:d: gone"]),
-    (1, "", "Traceback...\nImportError: no vllm\n",
-     ["`python -m mmcpu.kernels check` failed (exit 1): ImportError: no vllm"]),
-])
-def test_cached_runs_the_check_in_a_subprocess_without_a_stamp(fake_vllm, monkeypatch, code, stdout, stderr,
-                                                                  expected):
+@pytest.mark.parametrize(
+    "code,stdout,stderr,expected",
+    [
+        (0, "", "all fine\n", []),
+        (2, "a:b: stale\nc:d: gone\n", "2 problem(s)\n", ["a:b: stale", "c:d: gone"]),
+        (
+            1,
+            "",
+            "Traceback...\nImportError: no vllm\n",
+            ["`python -m mmcpu.kernels check` failed (exit 1): ImportError: no vllm"],
+        ),
+    ],
+)
+def test_cached_runs_the_check_in_a_subprocess_without_a_stamp(fake_vllm, monkeypatch, code, stdout, stderr, expected):
     calls, notices = [], []
 
     def fake_run(cmd, **kwargs):
@@ -172,8 +186,10 @@ def test_cli_fails_without_the_plugin_entry_point(fake_vllm, monkeypatch, capsys
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
     assert cli.main(["check"]) == 2
     out = capsys.readouterr().out.splitlines()
-    assert out == ["mmcpu.plugin:register: vllm.general_plugins entry point 'mmcpu' is missing: vLLM would not "
-                   "install the native kernels (pip install mmcpu)"]
+    assert out == [
+        "mmcpu.plugin:register: vllm.general_plugins entry point 'mmcpu' is missing: vLLM would not "
+        "install the native kernels (pip install mmcpu)"
+    ]
     assert check.read_stamp(fake_vllm) is None  # not stamped: the next start checks (and refuses) again
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from diff import Launch, differential, native_launches
-
 from vllm.v1.worker.gpu import cp_utils as vmod
 
 KERNEL = vmod._dcp_local_seq_lens_kernel
 
 
-def make_case(num_reqs: int, max_num_reqs: int, dcp_size: int, interleave: int, block: int = 128,
-              negative: bool = False):
+def make_case(
+    num_reqs: int, max_num_reqs: int, dcp_size: int, interleave: int, block: int = 128, negative: bool = False
+):
     def make(seed: int) -> Launch:
         g = torch.Generator().manual_seed(seed)
         rank = seed % dcp_size
@@ -27,14 +27,20 @@ def make_case(num_reqs: int, max_num_reqs: int, dcp_size: int, interleave: int, 
         seq_lens[: num_reqs // 3] %= dcp_size * interleave  # within the first round
         out = torch.randint(-100, 100, (max_num_reqs + 3,), generator=g, dtype=torch.int32)
         grid = ((max_num_reqs + block - 1) // block,)
-        return Launch(grid=grid, args=(out, seq_lens, dcp_size, rank, interleave, num_reqs, max_num_reqs),
-                      kwargs={"BLOCK_SIZE": block}, watch={"out": out, "seq_lens": seq_lens})
+        return Launch(
+            grid=grid,
+            args=(out, seq_lens, dcp_size, rank, interleave, num_reqs, max_num_reqs),
+            kwargs={"BLOCK_SIZE": block},
+            watch={"out": out, "seq_lens": seq_lens},
+        )
 
     return make
 
 
-@pytest.mark.parametrize("num_reqs,max_num_reqs,dcp_size,interleave", [
-    (1, 1, 2, 1), (5, 16, 2, 1), (37, 200, 4, 16), (256, 256, 8, 64), (0, 10, 2, 4)])
+@pytest.mark.parametrize(
+    "num_reqs,max_num_reqs,dcp_size,interleave",
+    [(1, 1, 2, 1), (5, 16, 2, 1), (37, 200, 4, 16), (256, 256, 8, 64), (0, 10, 2, 4)],
+)
 def test_dcp_local_seq_lens(num_reqs, max_num_reqs, dcp_size, interleave):
     assert differential(KERNEL, make_case(num_reqs, max_num_reqs, dcp_size, interleave), range(6)) == 6
 

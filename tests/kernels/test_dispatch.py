@@ -15,7 +15,7 @@ import torch
 
 from mmcpu.kernels import dispatch
 
-KERNEL_SRC = '''
+KERNEL_SRC = """
 import triton
 import triton.language as tl
 
@@ -32,7 +32,7 @@ def _double_kernel(out_ptr, in_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(out_ptr + offs, _helper(tl.load(in_ptr + offs, mask=mask)) * SCALE, mask=mask)
-'''
+"""
 
 
 @pytest.fixture
@@ -85,8 +85,11 @@ def launch(mod, n=5):
 def test_matching_guard_runs_native_and_counts(kernel_module, registered):
     mod = kernel_module()
     calls = []
-    registered(mod.__name__, lambda grid, out_ptr, in_ptr, n, BLOCK: calls.append(grid) or native_double(
-        grid, out_ptr, in_ptr, n, BLOCK), dispatch.kernel_source_sha256(mod._double_kernel.fn))
+    registered(
+        mod.__name__,
+        lambda grid, out_ptr, in_ptr, n, BLOCK: calls.append(grid) or native_double(grid, out_ptr, in_ptr, n, BLOCK),
+        dispatch.kernel_source_sha256(mod._double_kernel.fn),
+    )
     dispatch.install("native")
     out = launch(mod)
     assert calls == [(1,)]
@@ -129,6 +132,7 @@ def test_renamed_argument_falls_back(kernel_module, registered):
 
 def test_interpreter_mode_runs_nothing_natively(kernel_module, registered):
     mod = kernel_module()
+
     def must_not_run(grid, out_ptr, in_ptr, n, BLOCK):
         pytest.fail("native ran")
 
@@ -198,7 +202,6 @@ def test_interpreter_gaps_are_filled_while_installed(raw_interpreter, monkeypatc
     from triton.language.extra import libdevice
     from triton.runtime import interpreter as triton_interpreter
     from triton.runtime.errors import InterpreterError
-
     from vllm.v1.sample.ops.topk_topp_triton import apply_top_k_top_p_triton
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
@@ -210,11 +213,18 @@ def test_interpreter_gaps_are_filled_while_installed(raw_interpreter, monkeypatc
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
 
     def sample_and_top_p():
-        tokens = gumbel_sample(logits.clone(), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0.7, 1.0]),
-                               torch.tensor([3, 4]), torch.tensor([5, 6]), apply_temperature=True,
-                               is_drafting=False)
-        kept = apply_top_k_top_p_triton(logits.clone(), torch.tensor([5, 64], dtype=torch.int32),
-                                        torch.tensor([1.0, 0.5]))
+        tokens = gumbel_sample(
+            logits.clone(),
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([0.7, 1.0]),
+            torch.tensor([3, 4]),
+            torch.tensor([5, 6]),
+            apply_temperature=True,
+            is_drafting=False,
+        )
+        kept = apply_top_k_top_p_triton(
+            logits.clone(), torch.tensor([5, 64], dtype=torch.int32), torch.tensor([1.0, 0.5])
+        )
         return tokens, kept
 
     dispatch.install("interpreter")

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 from diff import Launch, assert_same, differential, native_entry, native_launches, run_interpreter, run_native
+from vllm.v1.worker.gpu.sample import gumbel as vmod
 
 from mmcpu.kernels.sample import gumbel as ngumbel
-from vllm.v1.worker.gpu.sample import gumbel as vmod
 
 BLOCK = 1024
 
@@ -41,8 +41,7 @@ def _probe_kernel(seed_ptr, pos_ptr, h_ptr, h_hi_ptr, u32_ptr, u64_ptr, l1p_ptr,
     block = tl.program_id(1) * B + tl.arange(0, B)
     m = block < n
     tl.store(h_ptr + t * n + block, vmod.murmur3_hash32(seed, pos, block).to(tl.int64), mask=m)
-    tl.store(h_hi_ptr + t * n + block, vmod.murmur3_hash32(seed, pos, block, domain=0x9E3779B9).to(tl.int64),
-             mask=m)
+    tl.store(h_hi_ptr + t * n + block, vmod.murmur3_hash32(seed, pos, block, domain=0x9E3779B9).to(tl.int64), mask=m)
     u32 = vmod.murmur3_uniform32(seed, pos, block)
     tl.store(u32_ptr + t * n + block, u32, mask=m)
     tl.store(u64_ptr + t * n + block, vmod.murmur3_uniform64(seed, pos, block), mask=m)
@@ -53,12 +52,16 @@ def _probe_kernel(seed_ptr, pos_ptr, h_ptr, h_hi_ptr, u32_ptr, u64_ptr, l1p_ptr,
 def test_murmur3_bit_exact(pos_dtype):
     n, rows = 3000, 6
     g = torch.Generator().manual_seed(11)
-    seed = torch.cat([torch.tensor([0, -1, 2**63 - 1, -2**63], dtype=torch.int64),
-                      torch.randint(-2**63, 2**63 - 1, (rows - 4,), generator=g, dtype=torch.int64)])
+    seed = torch.cat(
+        [
+            torch.tensor([0, -1, 2**63 - 1, -(2**63)], dtype=torch.int64),
+            torch.randint(-(2**63), 2**63 - 1, (rows - 4,), generator=g, dtype=torch.int64),
+        ]
+    )
     if pos_dtype == torch.int64:  # only the position's low word is hashed; negative ones wrap
         pos = torch.tensor([0, 1, 2**32 + 5, -1, 2**40 + 123, 77], dtype=torch.int64)
     else:
-        pos = torch.tensor([0, 1, 2**31 - 1, -1, -2**31, 77], dtype=torch.int32)
+        pos = torch.tensor([0, 1, 2**31 - 1, -1, -(2**31), 77], dtype=torch.int32)
     h, h_hi = torch.zeros(rows, n, dtype=torch.int64), torch.zeros(rows, n, dtype=torch.int64)
     u32, l1p, u64 = torch.zeros(rows, n), torch.zeros(rows, n), torch.zeros(rows, n, dtype=torch.float64)
     _probe_kernel[(rows, triton.cdiv(n, BLOCK))](seed, pos, h, h_hi, u32, u64, l1p, n, B=BLOCK)
@@ -73,8 +76,9 @@ def test_murmur3_bit_exact(pos_dtype):
     assert np.array_equal(ngumbel.log1p_neg_stable(got32), l1p.numpy())
     # The hash is murmur3_x86_32 over 16 bytes (seed lo, seed hi, position lo, offset): a known-answer check
     # against an independent scalar implementation, so the native stream is not merely the kernel's mirror.
-    assert int(h[2, 1234]) == _murmur3_x86_32(struct.pack("<IIII", (2**63 - 1) & 0xFFFFFFFF, 2**31 - 1,
-                                                          int(pos[2]) & 0xFFFFFFFF, 1234), 0)
+    assert int(h[2, 1234]) == _murmur3_x86_32(
+        struct.pack("<IIII", (2**63 - 1) & 0xFFFFFFFF, 2**31 - 1, int(pos[2]) & 0xFFFFFFFF, 1234), 0
+    )
 
 
 def _murmur3_x86_32(data: bytes, seed: int) -> int:
@@ -82,7 +86,7 @@ def _murmur3_x86_32(data: bytes, seed: int) -> int:
     m = 0xFFFFFFFF
     h = seed
     for i in range(0, len(data), 4):
-        k = int.from_bytes(data[i:i + 4], "little")
+        k = int.from_bytes(data[i : i + 4], "little")
         k = (k * 0xCC9E2D51) & m
         k = ((k << 15) | (k >> 17)) & m
         k = (k * 0x1B873593) & m
@@ -112,17 +116,21 @@ def make_temperature_case(num_tokens: int, vocab: int, dtype: torch.dtype):
         temp[pick < 0.25] = 0.0
         temp[(pick >= 0.25) & (pick < 0.5)] = 1.0
         view = logits[1:]  # storage offset and row padding must be honoured
-        return Launch(grid=(num_tokens, triton.cdiv(vocab, 8192)),
-                      args=(view, view.stride(0), mapping, temp, vocab), kwargs={"BLOCK_SIZE": 8192},
-                      watch={"logits": logits, "mapping": mapping, "temp": temp})
+        return Launch(
+            grid=(num_tokens, triton.cdiv(vocab, 8192)),
+            args=(view, view.stride(0), mapping, temp, vocab),
+            kwargs={"BLOCK_SIZE": 8192},
+            watch={"logits": logits, "mapping": mapping, "temp": temp},
+        )
 
     return make
 
 
 @pytest.mark.parametrize("num_tokens,vocab", [(1, 1000), (4, 5003), (3, 51864), (2, 20000)])
 def test_temperature_fp32(num_tokens, vocab):
-    assert differential(vmod._temperature_kernel, make_temperature_case(num_tokens, vocab, torch.float32),
-                        range(3)) == 3
+    assert (
+        differential(vmod._temperature_kernel, make_temperature_case(num_tokens, vocab, torch.float32), range(3)) == 3
+    )
 
 
 @pytest.mark.parametrize("num_tokens,vocab", [(3, 1000), (2, 51864)])
@@ -141,10 +149,20 @@ def test_temperature_bf16_matches_fp32_reference(num_tokens, vocab):
 # _gumbel_sample_kernel
 
 
-def make_gumbel_case(num_tokens: int, vocab: int, *, temps: str = "mixed", use_fp64: bool = False,
-                     apply_temperature: bool = False, cache: str | None = None, invalid: bool = False,
-                     ties: bool = False, nans: bool = False, drafting: bool = False,
-                     dtype: torch.dtype = torch.float32):
+def make_gumbel_case(
+    num_tokens: int,
+    vocab: int,
+    *,
+    temps: str = "mixed",
+    use_fp64: bool = False,
+    apply_temperature: bool = False,
+    cache: str | None = None,
+    invalid: bool = False,
+    ties: bool = False,
+    nans: bool = False,
+    drafting: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
     """A launch as ``gumbel_sample`` makes it; ``cache``: None, "col" (one 0-d column), "per_token" (a column per
     token, tokens of one request sharing its row as in speculative decoding), "source" (per token, the cached
     logits read from a separate source tensor)."""
@@ -175,12 +193,11 @@ def make_gumbel_case(num_tokens: int, vocab: int, *, temps: str = "mixed", use_f
             temp[(pick >= 0.3) & (pick < 0.55)] = 1.0
         elif temps == "one":
             temp.fill_(1.0)
-        seeds = torch.randint(-2**63, 2**63 - 1, (max_reqs,), generator=g, dtype=torch.int64)
+        seeds = torch.randint(-(2**63), 2**63 - 1, (max_reqs,), generator=g, dtype=torch.int64)
         pos = torch.randint(0, 4096, (num_tokens,), generator=g, dtype=torch.int64)
         # Sentinels in the outputs: every element the kernel writes, and only those, must match.
         local_argmax = torch.full((num_tokens, num_blocks + 2), -7, dtype=torch.int64)
-        local_max = torch.full((num_tokens, num_blocks + 2), -7.0,
-                               dtype=torch.float64 if use_fp64 else torch.float32)
+        local_max = torch.full((num_tokens, num_blocks + 2), -7.0, dtype=torch.float64 if use_fp64 else torch.float32)
         view = logits[1:, :vocab]
         out = col = source = None
         per_token = False
@@ -192,21 +209,48 @@ def make_gumbel_case(num_tokens: int, vocab: int, *, temps: str = "mixed", use_f
             else:
                 col = torch.randint(0, n_cols, (num_tokens,), generator=g, dtype=torch.int64)
                 per_token = True
-            source = (torch.randn(num_tokens, vocab + 4, generator=g).to(dtype)[:, :vocab] if cache == "source"
-                      else view)
-        watch = {"logits": logits, "mapping": mapping, "temp": temp, "seeds": seeds, "pos": pos,
-                 "local_argmax": local_argmax, "local_max": local_max}
+            source = torch.randn(num_tokens, vocab + 4, generator=g).to(dtype)[:, :vocab] if cache == "source" else view
+        watch = {
+            "logits": logits,
+            "mapping": mapping,
+            "temp": temp,
+            "seeds": seeds,
+            "pos": pos,
+            "local_argmax": local_argmax,
+            "local_max": local_max,
+        }
         if out is not None:
             watch |= {"cache": out, "col": col}
         return Launch(
             grid=(num_tokens, num_blocks),
-            args=(local_argmax, local_argmax.stride(0), local_max, local_max.stride(0), out,
-                  out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0, col, source,
-                  source.stride(0) if source is not None else 0, view, view.stride(0), mapping, seeds, pos, temp,
-                  vocab),
-            kwargs={"BLOCK_SIZE": BLOCK, "IS_DRAFTING": drafting, "APPLY_TEMPERATURE": apply_temperature,
-                    "USE_FP64": use_fp64, "PER_TOKEN_COL": per_token},
-            watch=watch)
+            args=(
+                local_argmax,
+                local_argmax.stride(0),
+                local_max,
+                local_max.stride(0),
+                out,
+                out.stride(0) if out is not None else 0,
+                out.stride(1) if out is not None else 0,
+                col,
+                source,
+                source.stride(0) if source is not None else 0,
+                view,
+                view.stride(0),
+                mapping,
+                seeds,
+                pos,
+                temp,
+                vocab,
+            ),
+            kwargs={
+                "BLOCK_SIZE": BLOCK,
+                "IS_DRAFTING": drafting,
+                "APPLY_TEMPERATURE": apply_temperature,
+                "USE_FP64": use_fp64,
+                "PER_TOKEN_COL": per_token,
+            },
+            watch=watch,
+        )
 
     return make
 
@@ -244,16 +288,21 @@ def test_gumbel_greedy_exact(num_tokens, vocab):
 @pytest.mark.parametrize("use_fp64", [False, True])
 @pytest.mark.parametrize("num_tokens,vocab,seeds", [(1, 1000, range(4)), (6, 5003, range(3)), (1, 51864, [0])])
 def test_gumbel_seeded(num_tokens, vocab, seeds, use_fp64):
-    make = make_gumbel_case(num_tokens, vocab, temps="mixed" if num_tokens > 1 else "seeded", use_fp64=use_fp64,
-                            invalid=num_tokens > 1, nans=num_tokens > 1)
+    make = make_gumbel_case(
+        num_tokens,
+        vocab,
+        temps="mixed" if num_tokens > 1 else "seeded",
+        use_fp64=use_fp64,
+        invalid=num_tokens > 1,
+        nans=num_tokens > 1,
+    )
     assert gumbel_differential(make, seeds) > 0
 
 
 @pytest.mark.parametrize("cache", [None, "col", "per_token", "source"])
 @pytest.mark.parametrize("apply_temperature", [False, True])
 def test_gumbel_logits_cache(cache, apply_temperature):
-    make = make_gumbel_case(6, 2500, temps="mixed", apply_temperature=apply_temperature, cache=cache,
-                            invalid=True)
+    make = make_gumbel_case(6, 2500, temps="mixed", apply_temperature=apply_temperature, cache=cache, invalid=True)
     assert gumbel_differential(make, range(2)) > 0
 
 
@@ -285,7 +334,7 @@ def test_gumbel_bf16_matches_fp32_reference(temps):
         full = launch.watch["logits"].float()
         args = list(launch.args)
         args[4] = launch.watch["cache"] = args[4].float()
-        args[8] = args[10] = full[1:, :args[16]]
+        args[8] = args[10] = full[1:, : args[16]]
         launch.args = tuple(args)
         launch.watch["logits"] = full
         return launch
@@ -325,6 +374,7 @@ def test_dispatch_routes_gumbel_sample_and_apply_temperature(monkeypatch):
     ref_logits, ref_tokens, t_interp = run()  # not installed: the interpreter
     # Production has PyPI triton's libdevice stub (log1p returns None); the native path must not need it.
     from triton.language.extra import libdevice
+
     monkeypatch.setattr(libdevice, "log1p", lambda *args, **kwargs: None)
     with native_launches() as launched:
         got_logits, got_tokens, t_native = run()
@@ -332,5 +382,7 @@ def test_dispatch_routes_gumbel_sample_and_apply_temperature(monkeypatch):
     assert launched["_temperature_kernel"] == 1
     assert torch.equal(got_logits, ref_logits)
     assert torch.equal(got_tokens, ref_tokens)
-    print(f"\napply_temperature + gumbel_sample, 3 x {vocab}: interpreter {t_interp * 1e3:.0f} ms, "
-          f"native {t_native * 1e3:.1f} ms")
+    print(
+        f"\napply_temperature + gumbel_sample, 3 x {vocab}: interpreter {t_interp * 1e3:.0f} ms, "
+        f"native {t_native * 1e3:.1f} ms"
+    )

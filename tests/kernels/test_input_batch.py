@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from diff import Launch, differential, native_launches
-
 from vllm.triton_utils import triton
 from vllm.v1.worker.gpu import input_batch as vmod
 
@@ -26,8 +25,9 @@ def _garbage(g, *shape, dtype=I32):
     return torch.randint(-(2**30), 2**30, shape, generator=g).to(dtype)
 
 
-def world(seed: int, max_reqs: int, max_model_len: int, spec: int, vocab: int = 50, num_new: int = 1,
-          lookahead: int = 1):
+def world(
+    seed: int, max_reqs: int, max_model_len: int, spec: int, vocab: int = 50, num_new: int = 1, lookahead: int = 1
+):
     """One batch: request states (indexed by state slot) and per-batch inputs (indexed by batch position)."""
     g = torch.Generator().manual_seed(seed)
     M, L = max_reqs, max_model_len
@@ -50,19 +50,31 @@ def world(seed: int, max_reqs: int, max_model_len: int, spec: int, vocab: int = 
     num_tokens = int(query_lens.sum())
     qsl = torch.full((M + 1,), num_tokens, dtype=I32)  # prepare_inputs pads past the batch with num_tokens
     qsl[0] = 0
-    qsl[1:n + 1] = query_lens.cumsum(0)
+    qsl[1 : n + 1] = query_lens.cumsum(0)
     seq_lens_buf = _garbage(g, M)
     seq_lens_buf[:n] = computed[idx.long()] + query_lens.to(I32)
     num_logits = num_draft + num_new
     cu = torch.zeros(n + 1, dtype=I32)
     cu[1:] = num_logits.cumsum(0)
     return dict(
-        g=g, n=n, padded=padded, idx=idx, prefill_len=prefill_len, computed=computed, qsl=qsl[:padded + 1],
-        num_tokens=num_tokens, seq_lens=seq_lens_buf[:padded], seq_lens_buf=seq_lens_buf, cu=cu,
-        num_draft=num_draft, total_logits=int(num_logits.sum()),
+        g=g,
+        n=n,
+        padded=padded,
+        idx=idx,
+        prefill_len=prefill_len,
+        computed=computed,
+        qsl=qsl[: padded + 1],
+        num_tokens=num_tokens,
+        seq_lens=seq_lens_buf[:padded],
+        seq_lens_buf=seq_lens_buf,
+        cu=cu,
+        num_draft=num_draft,
+        total_logits=int(num_logits.sum()),
         all_token_ids=torch.randint(0, vocab, (M, L), generator=g, dtype=I32),
-        input_ids=_garbage(g, num_tokens + 5), positions=_garbage(g, num_tokens + 5, dtype=I64),
-        next_prefill_tokens=_garbage(g, lookahead, M), last_sampled=torch.randint(0, vocab, (M, 1), generator=g),
+        input_ids=_garbage(g, num_tokens + 5),
+        positions=_garbage(g, num_tokens + 5, dtype=I64),
+        next_prefill_tokens=_garbage(g, lookahead, M),
+        last_sampled=torch.randint(0, vocab, (M, 1), generator=g),
         draft_tokens=torch.randint(0, vocab, (M, spec), generator=g),
         total_len=torch.randint(0, L - spec - 1, (M,), generator=g, dtype=I32),
         bins=torch.randint(0, 3, (M, vocab), generator=g, dtype=I32),
@@ -89,10 +101,22 @@ def test_prepare_prefill_inputs(M, L, S, block, lookahead):
     def build(seed):
         w = world(seed, M, L, S, lookahead=lookahead)
         nxt = w["next_prefill_tokens"]
-        args = (w["input_ids"], nxt, nxt.stride(0), nxt.shape[0], w["idx"], w["qsl"], w["all_token_ids"],
-                w["all_token_ids"].stride(0), w["prefill_len"], w["computed"])
-        watch = {k: w[k] for k in ("input_ids", "next_prefill_tokens", "idx", "qsl", "all_token_ids",
-                                   "prefill_len", "computed")}
+        args = (
+            w["input_ids"],
+            nxt,
+            nxt.stride(0),
+            nxt.shape[0],
+            w["idx"],
+            w["qsl"],
+            w["all_token_ids"],
+            w["all_token_ids"].stride(0),
+            w["prefill_len"],
+            w["computed"],
+        )
+        watch = {
+            k: w[k]
+            for k in ("input_ids", "next_prefill_tokens", "idx", "qsl", "all_token_ids", "prefill_len", "computed")
+        }
         return (w["n"],), args, {"BLOCK_SIZE": block, "LOOKAHEAD_BLOCK": triton.next_power_of_2(lookahead)}, watch
 
     assert differential(vmod._prepare_prefill_inputs_kernel, _make(build), range(4)) == 4
@@ -105,8 +129,13 @@ def test_prepare_pos_seq_lens(M, L, S, block):
         w = world(seed, M, L, S)
         seq_lens = w["seq_lens_buf"]
         args = (w["positions"], seq_lens, w["idx"], w["qsl"], w["computed"], seq_lens.shape[0])
-        watch = {"positions": w["positions"], "seq_lens": seq_lens, "idx": w["idx"], "qsl": w["qsl"],
-                 "computed": w["computed"]}
+        watch = {
+            "positions": w["positions"],
+            "seq_lens": seq_lens,
+            "idx": w["idx"],
+            "qsl": w["qsl"],
+            "computed": w["computed"],
+        }
         return (w["n"] + 1,), args, {"BLOCK_SIZE": block}, watch
 
     assert differential(vmod._prepare_pos_seq_lens_kernel, _make(build), range(4)) == 4
@@ -124,11 +153,23 @@ def test_combine_sampled_and_draft_tokens(M, L, S, num_new):
         g, prefill_len = w["g"], w["prefill_len"]
         for b in range(w["n"]):
             prefill_len[w["idx"][b]] = int(w["seq_lens"][b]) + _int(w["g"], -S - 2, 1)
-        logits_indices = _garbage(g, w["total_logits"] + 3, dtype=I64)[:w["total_logits"]]
-        args = (w["input_ids"], w["idx"], w["last_sampled"], w["qsl"], w["seq_lens"], prefill_len,
-                w["draft_tokens"], w["draft_tokens"].stride(0), w["cu"], logits_indices)
-        watch = {k: w[k] for k in ("input_ids", "idx", "last_sampled", "qsl", "seq_lens_buf", "draft_tokens",
-                                   "cu")} | {"prefill_len": prefill_len, "logits_indices": logits_indices}
+        logits_indices = _garbage(g, w["total_logits"] + 3, dtype=I64)[: w["total_logits"]]
+        args = (
+            w["input_ids"],
+            w["idx"],
+            w["last_sampled"],
+            w["qsl"],
+            w["seq_lens"],
+            prefill_len,
+            w["draft_tokens"],
+            w["draft_tokens"].stride(0),
+            w["cu"],
+            logits_indices,
+        )
+        watch = {k: w[k] for k in ("input_ids", "idx", "last_sampled", "qsl", "seq_lens_buf", "draft_tokens", "cu")} | {
+            "prefill_len": prefill_len,
+            "logits_indices": logits_indices,
+        }
         kwargs = {"BLOCK_SIZE": triton.next_power_of_2(S + num_new), "NUM_NEW_SAMPLED_TOKENS": num_new}
         return (w["n"],), args, kwargs, watch
 
@@ -145,8 +186,14 @@ def test_get_num_sampled_and_rejected(M, L, S):
         num_sampled = torch.randint(0, S + 2, (w["n"],), generator=g, dtype=I32)
         num_rejected = _garbage(g, w["n"])
         args = (num_sampled, num_rejected, w["seq_lens"], w["cu"], w["idx"], w["prefill_len"])
-        watch = {"num_sampled": num_sampled, "num_rejected": num_rejected, "seq_lens": w["seq_lens_buf"],
-                 "cu": w["cu"], "idx": w["idx"], "prefill_len": w["prefill_len"]}
+        watch = {
+            "num_sampled": num_sampled,
+            "num_rejected": num_rejected,
+            "seq_lens": w["seq_lens_buf"],
+            "cu": w["cu"],
+            "idx": w["idx"],
+            "prefill_len": w["prefill_len"],
+        }
         return (w["n"],), args, {}, watch
 
     assert differential(vmod._get_num_sampled_and_rejected_kernel, _make(build), range(5)) == 5
@@ -165,9 +212,21 @@ def test_post_update(M, L, S, with_bins, with_qsl):
         num_rejected = torch.randint(0, S + 1, (n,), generator=g, dtype=I32)
         bins = w["bins"] if with_bins else None
         qsl = w["qsl"] if with_qsl else None
-        args = (idx, w["computed"], w["last_sampled"], bins, bins.stride(0) if with_bins else 0, sampled,
-                sampled.stride(0), num_sampled, num_rejected, qsl, w["all_token_ids"], w["all_token_ids"].stride(0),
-                w["total_len"])
+        args = (
+            idx,
+            w["computed"],
+            w["last_sampled"],
+            bins,
+            bins.stride(0) if with_bins else 0,
+            sampled,
+            sampled.stride(0),
+            num_sampled,
+            num_rejected,
+            qsl,
+            w["all_token_ids"],
+            w["all_token_ids"].stride(0),
+            w["total_len"],
+        )
         watch = {"idx": idx, "sampled": sampled, "num_sampled": num_sampled, "num_rejected": num_rejected}
         watch |= {k: w[k] for k in ("computed", "last_sampled", "bins", "qsl", "all_token_ids", "total_len")}
         return (n,), args, {"num_warps": 1}, watch
@@ -209,27 +268,64 @@ def _step(seed: int) -> dict[str, torch.Tensor]:
     w = world(seed, 6, 48, 2, lookahead=2)
     n = w["n"]
     expanded, local_pos = vmod.expand_idx_mapping(w["idx"], w["total_logits"], w["cu"], 3)
-    vmod.prepare_prefill_inputs(w["input_ids"], w["next_prefill_tokens"], w["idx"], w["qsl"], w["all_token_ids"],
-                                w["prefill_len"], w["computed"])
+    vmod.prepare_prefill_inputs(
+        w["input_ids"],
+        w["next_prefill_tokens"],
+        w["idx"],
+        w["qsl"],
+        w["all_token_ids"],
+        w["prefill_len"],
+        w["computed"],
+    )
     vmod.prepare_pos_seq_lens(w["idx"], w["qsl"], w["computed"], w["positions"], w["seq_lens_buf"])
     logits_indices = vmod.combine_sampled_and_draft_tokens(
-        w["input_ids"], w["idx"], w["last_sampled"], w["qsl"], w["seq_lens"], w["prefill_len"], w["draft_tokens"],
-        w["cu"], w["total_logits"])
+        w["input_ids"],
+        w["idx"],
+        w["last_sampled"],
+        w["qsl"],
+        w["seq_lens"],
+        w["prefill_len"],
+        w["draft_tokens"],
+        w["cu"],
+        w["total_logits"],
+    )
     num_sampled, num_rejected = vmod.get_num_sampled_and_rejected(
-        torch.ones(n, dtype=I32), w["seq_lens"], w["cu"], w["idx"], w["prefill_len"])
+        torch.ones(n, dtype=I32), w["seq_lens"], w["cu"], w["idx"], w["prefill_len"]
+    )
     sampled = torch.randint(0, 50, (n, 3), generator=w["g"])
-    vmod.post_update(w["idx"], w["computed"], w["last_sampled"], w["bins"], sampled, num_sampled, num_rejected,
-                     w["qsl"], w["all_token_ids"], w["total_len"])
+    vmod.post_update(
+        w["idx"],
+        w["computed"],
+        w["last_sampled"],
+        w["bins"],
+        sampled,
+        num_sampled,
+        num_rejected,
+        w["qsl"],
+        w["all_token_ids"],
+        w["total_len"],
+    )
     vmod.post_update_num_computed_tokens(w["idx"], w["computed"], w["qsl"])
     out = {k: v for k, v in w.items() if isinstance(v, torch.Tensor) and k != "g"}
-    return out | {"expanded": expanded, "local_pos": local_pos, "logits_indices": logits_indices,
-                  "num_sampled": num_sampled, "num_rejected": num_rejected}
+    return out | {
+        "expanded": expanded,
+        "local_pos": local_pos,
+        "logits_indices": logits_indices,
+        "num_sampled": num_sampled,
+        "num_rejected": num_rejected,
+    }
 
 
 def test_dispatch_routes_input_batch_launchers():
-    names = ("_prepare_prefill_inputs_kernel", "_prepare_pos_seq_lens_kernel",
-             "_combine_sampled_and_draft_tokens_kernel", "_get_num_sampled_and_rejected_kernel",
-             "_post_update_kernel", "_post_update_num_computed_tokens_kernel", "_expand_idx_mapping_kernel")
+    names = (
+        "_prepare_prefill_inputs_kernel",
+        "_prepare_pos_seq_lens_kernel",
+        "_combine_sampled_and_draft_tokens_kernel",
+        "_get_num_sampled_and_rejected_kernel",
+        "_post_update_kernel",
+        "_post_update_num_computed_tokens_kernel",
+        "_expand_idx_mapping_kernel",
+    )
     for seed in range(2):
         ref = _step(seed)  # plain interpreter
         with native_launches() as launched:

@@ -32,8 +32,9 @@ def kernels():
 def test_every_kernel_is_classified(kernels):
     unclassified = sorted(set(kernels) - set(KERNELS))
     gone = sorted(set(KERNELS) - set(kernels))
-    assert not unclassified, f"new Triton kernels in vLLM, classify them in mmcpu/kernels/reachability.py: " \
-        f"{unclassified}"
+    assert not unclassified, (
+        f"new Triton kernels in vLLM, classify them in mmcpu/kernels/reachability.py: {unclassified}"
+    )
     assert not gone, f"classified kernels no longer in vLLM: {gone}"
     bad = {k: v for k, v in KERNELS.items() if not reachability.is_valid_verdict(v)}
     assert not bad, bad
@@ -52,8 +53,12 @@ def test_every_registered_native_kernel_exists_and_guard_matches(kernels):
     dispatch.load_native_modules()
     registered = {f"{m}:{n}" for m, n in dispatch.REGISTRY}
     assert registered <= set(KERNELS), sorted(registered - set(KERNELS))
-    stale = {k: why for k in registered for entry, why in [dispatch.guard(kernels[k].fn, kernels[k].arg_names)]
-             if entry is None}
+    stale = {
+        k: why
+        for k in registered
+        for entry, why in [dispatch.guard(kernels[k].fn, kernels[k].arg_names)]
+        if entry is None
+    }
     assert not stale, stale
 
 
@@ -113,8 +118,9 @@ def test_launch_through_a_heuristics_wrapper_reaches_the_native_version(monkeypa
         seen.append((grid, n, WIDTH))
         out_ptr[:n] = torch.arange(n) * 10
 
-    entry = dispatch.NativeKernel(__name__, "_heuristic_kernel", dispatch.kernel_source_sha256(inner.fn),
-                                  ("out_ptr", "n", "WIDTH"), impl)
+    entry = dispatch.NativeKernel(
+        __name__, "_heuristic_kernel", dispatch.kernel_source_sha256(inner.fn), ("out_ptr", "n", "WIDTH"), impl
+    )
     monkeypatch.setitem(dispatch.REGISTRY, entry.key, entry)
     ref = torch.zeros(8, dtype=torch.int64)
     _heuristic_kernel[(1,)](ref, 3)  # not installed: the interpreter

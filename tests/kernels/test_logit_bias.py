@@ -19,10 +19,10 @@ import textwrap
 import pytest
 import torch
 from diff import Launch, assert_same, bf16_matches_fp32_reference, differential, native_launches, run_native
-
-from mmcpu.config import REPO_ROOT
 from vllm.triton_utils import triton
 from vllm.v1.worker.gpu.sample import logit_bias as vmod
+
+from mmcpu.config import REPO_ROOT
 
 SHAPES = [(1, 100), (4, 1000), (6, 5003)]  # (requests, vocab)
 K_ALLOWED, K_BIAS, K_STOP = vmod.MAX_NUM_ALLOWED_TOKEN_IDS, vmod.MAX_NUM_LOGIT_BIAS_TOKENS, vmod.MAX_NUM_STOP_TOKEN_IDS
@@ -61,7 +61,7 @@ def make_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, logits_block: in
                 if torch.rand((), generator=g) < 0.7:
                     row = logits[t]
                     row[:vocab] = float("-inf")
-                    ids = stop[r, :int(num_stop[r])].long()
+                    ids = stop[r, : int(num_stop[r])].long()
                     vals = torch.randn(ids.numel(), generator=g)
                     vals[torch.rand(ids.numel(), generator=g) < 0.2] = float("inf")
                     row[ids] = vals.to(dtype)
@@ -69,20 +69,52 @@ def make_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, logits_block: in
                     if pick < 0.2:  # a NaN beside -inf: the chunk max skips it
                         row[int(torch.randint(0, vocab, (), generator=g))] = float("nan")
                     elif pick < 0.3:  # a whole chunk of NaN: the fold propagates it
-                        row[:min(vocab, logits_block)] = float("nan")
+                        row[: min(vocab, logits_block)] = float("nan")
                     elif pick < 0.4:  # a finite logit elsewhere: not all masked
                         row[int(torch.randint(0, vocab, (), generator=g))] = 1.0
             num_bias.zero_()
 
-        args = (logits, logits.stride(0), vocab, mapping, num_allowed, allowed, allowed.stride(0), num_bias,
-                bias_ids, bias_ids.stride(0), bias, bias.stride(0), pos, min_lens, num_stop, restore, stop,
-                stop.stride(0))
-        watch = {"logits": logits, "mapping": mapping, "num_allowed": num_allowed, "allowed": allowed,
-                 "num_bias": num_bias, "bias_ids": bias_ids, "bias": bias, "pos": pos, "min_lens": min_lens,
-                 "num_stop": num_stop, "restore": restore, "stop": stop}
+        args = (
+            logits,
+            logits.stride(0),
+            vocab,
+            mapping,
+            num_allowed,
+            allowed,
+            allowed.stride(0),
+            num_bias,
+            bias_ids,
+            bias_ids.stride(0),
+            bias,
+            bias.stride(0),
+            pos,
+            min_lens,
+            num_stop,
+            restore,
+            stop,
+            stop.stride(0),
+        )
+        watch = {
+            "logits": logits,
+            "mapping": mapping,
+            "num_allowed": num_allowed,
+            "allowed": allowed,
+            "num_bias": num_bias,
+            "bias_ids": bias_ids,
+            "bias": bias,
+            "pos": pos,
+            "min_lens": min_lens,
+            "num_stop": num_stop,
+            "restore": restore,
+            "stop": stop,
+        }
         block = triton.next_power_of_2(max(K_ALLOWED, K_BIAS, K_STOP))  # as the launcher
-        return Launch(grid=(num_tokens,), args=args, kwargs={"BLOCK_SIZE": block, "LOGITS_BLOCK_SIZE": logits_block,
-                                                             "CHECK_ALL_MASKED_ROWS": check_masked}, watch=watch)
+        return Launch(
+            grid=(num_tokens,),
+            args=args,
+            kwargs={"BLOCK_SIZE": block, "LOGITS_BLOCK_SIZE": logits_block, "CHECK_ALL_MASKED_ROWS": check_masked},
+            watch=watch,
+        )
 
     return make
 
@@ -136,8 +168,9 @@ def test_dispatch_routes_launcher_to_native():
 
     def call(c: Launch) -> None:
         logits, _, vocab, m, na, a, _, nb, bi, _, b, _, pos, ml, ns, rs, s, _ = c.args
-        vmod.apply_logit_bias(logits[: m.numel(), :vocab], m, pos, na, a, nb, bi, b, ml, ns, rs, s,
-                              check_all_masked_rows=True)
+        vmod.apply_logit_bias(
+            logits[: m.numel(), :vocab], m, pos, na, a, nb, bi, b, ml, ns, rs, s, check_all_masked_rows=True
+        )
 
     call(ref)
     with native_launches() as launched:
@@ -203,8 +236,9 @@ def test_sampler_step_on_cpu_worker():
     allowed_token_ids, min_tokens and bad_words: the states build on CPU, every feature kernel runs natively and the
     processed logits equal the interpreter's."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _SAMPLER_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAMPLER_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in ("_bincount_kernel", "_penalties_kernel", "_bias_kernel", "_bad_words_kernel"):

@@ -23,7 +23,6 @@ import pytest
 import torch
 import triton
 from diff import Launch, assert_same, differential, native_entry, native_launches, run_interpreter, run_native
-
 from vllm.v1.worker.gpu.sample import logprob as vmod
 
 LOGPROB_ATOL = 1e-5  # |logprob| <= ~30 here; fp32 ulp at 16-32 is 2e-6
@@ -57,9 +56,12 @@ def make_topk_case(rows: int, vocab: int, topk: int, *, special: bool = False, d
         ids = torch.randint(0, vocab, (rows, topk + 3), generator=g, dtype=torch.int64)[:, :topk]
         out = torch.full((rows, topk), -3.0)
         view = logits[1:, :vocab]
-        return Launch(grid=(rows,), args=(out, view, view.stride(0), ids, ids.stride(0), topk, vocab),
-                      kwargs={"BLOCK_SIZE": 1024, "TOPK_BLOCK_SIZE": min(triton.next_power_of_2(topk), 1024)},
-                      watch={"out": out, "logits": logits, "ids": ids})
+        return Launch(
+            grid=(rows,),
+            args=(out, view, view.stride(0), ids, ids.stride(0), topk, vocab),
+            kwargs={"BLOCK_SIZE": 1024, "TOPK_BLOCK_SIZE": min(triton.next_power_of_2(topk), 1024)},
+            watch={"out": out, "logits": logits, "ids": ids},
+        )
 
     return make
 
@@ -124,8 +126,12 @@ def make_ranks_case(rows: int, vocab: int, *, special: bool = False, ties: bool 
                 token_ids[1] = int(logits[2, :vocab].isnan().nonzero()[0])
         ranks = torch.full((rows,), -1, dtype=torch.int64)
         view = logits[1:, :vocab]
-        return Launch(grid=(rows,), args=(ranks, view, view.stride(0), token_ids, vocab),
-                      kwargs={"BLOCK_SIZE": 8192}, watch={"ranks": ranks, "logits": logits, "ids": token_ids})
+        return Launch(
+            grid=(rows,),
+            args=(ranks, view, view.stride(0), token_ids, vocab),
+            kwargs={"BLOCK_SIZE": 8192},
+            watch={"ranks": ranks, "logits": logits, "ids": token_ids},
+        )
 
     return make
 
@@ -169,19 +175,37 @@ def make_fill_case(rows: int, num_topk: int, max_custom: int, padded_cols: int |
         topk_ptr = topk if num_topk > 0 else per_req  # the launcher's stand-in pointer when NUM_TOPK == 0
         return Launch(
             grid=(rows,),
-            args=(out, out.stride(0), valid, valid.stride(0), sampled, topk_ptr, topk_ptr.stride(0), mapping,
-                  num_custom, per_req, per_req.stride(0)),
+            args=(
+                out,
+                out.stride(0),
+                valid,
+                valid.stride(0),
+                sampled,
+                topk_ptr,
+                topk_ptr.stride(0),
+                mapping,
+                num_custom,
+                per_req,
+                per_req.stride(0),
+            ),
             kwargs={"NUM_TOPK": num_topk, "PADDED_COLS": padded_cols or triton.next_power_of_2(max(num_cols, 1))},
-            watch={"out": out, "valid": valid, "sampled": sampled, "topk": topk, "mapping": mapping,
-                   "num_custom": num_custom, "per_req": per_req})
+            watch={
+                "out": out,
+                "valid": valid,
+                "sampled": sampled,
+                "topk": topk,
+                "mapping": mapping,
+                "num_custom": num_custom,
+                "per_req": per_req,
+            },
+        )
 
     return make
 
 
 @pytest.mark.parametrize("rows,num_topk,max_custom", [(1, 0, 3), (4, 5, 2), (6, 3, 12), (5, 0, 128), (3, 20, 0)])
 def test_fill_logprob_token_ids(rows, num_topk, max_custom):
-    assert differential(vmod._fill_logprob_token_ids_kernel, make_fill_case(rows, num_topk, max_custom),
-                        range(4)) == 4
+    assert differential(vmod._fill_logprob_token_ids_kernel, make_fill_case(rows, num_topk, max_custom), range(4)) == 4
 
 
 def test_fill_logprob_token_ids_narrow_padded_cols():
@@ -212,8 +236,9 @@ def test_dispatch_routes_compute_topk_scores():
     state = SimpleNamespace(num_token_ids=SimpleNamespace(gpu=num_ids), token_ids=SimpleNamespace(gpu=token_ids))
 
     def run():
-        return vmod.compute_topk_scores(logits, 2, sampled, logprob_token_ids_state=state,
-                                        expanded_idx_mapping=mapping, max_per_req_token_ids=3)
+        return vmod.compute_topk_scores(
+            logits, 2, sampled, logprob_token_ids_state=state, expanded_idx_mapping=mapping, max_per_req_token_ids=3
+        )
 
     ref = run()
     with native_launches() as launched:

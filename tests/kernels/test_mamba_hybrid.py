@@ -14,9 +14,9 @@ import types
 import pytest
 import torch
 from diff import Launch, differential, native_launches
+from vllm.v1.worker.gpu.model_states import mamba_hybrid as vmod
 
 import mmcpu.kernels.model_states.mamba_hybrid  # noqa: F401  registers it even before NATIVE_MODULES names it
-from vllm.v1.worker.gpu.model_states import mamba_hybrid as vmod
 
 KERNEL = vmod._scatter_num_accepted_kernel
 
@@ -29,8 +29,11 @@ def make_case(num_reqs: int, extra: int, skip_rate: float):
         idx[torch.rand(num_reqs, generator=g) < skip_rate] = -1
         num_sampled = torch.randint(-1, 5, (num_reqs + 2,), generator=g, dtype=torch.int32)
         num_accepted = torch.randint(-50, 50, (max_num_reqs,), generator=g, dtype=torch.int32)
-        return Launch(grid=(num_reqs,), args=(idx, num_sampled, num_accepted),
-                      watch={"idx": idx, "num_sampled": num_sampled, "num_accepted": num_accepted})
+        return Launch(
+            grid=(num_reqs,),
+            args=(idx, num_sampled, num_accepted),
+            watch={"idx": idx, "num_sampled": num_sampled, "num_accepted": num_accepted},
+        )
 
     return make
 
@@ -41,8 +44,12 @@ def test_scatter_num_accepted(num_reqs, extra, skip_rate):
 
 
 def test_dispatch_routes_launcher():
-    state = types.SimpleNamespace(num_accepted_tokens_gpu=torch.full((6,), 9, dtype=torch.int32),
-                                  _align_mode=False, _mamba_ctx=None, recoverssm=None)
+    state = types.SimpleNamespace(
+        num_accepted_tokens_gpu=torch.full((6,), 9, dtype=torch.int32),
+        _align_mode=False,
+        _mamba_ctx=None,
+        recoverssm=None,
+    )
     idx = torch.tensor([4, -1, 0], dtype=torch.int32)
     with native_launches() as launched:
         vmod.MambaHybridModelState.postprocess_state(state, idx, torch.tensor([0, 3, 2], dtype=torch.int32))

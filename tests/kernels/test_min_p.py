@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from diff import Launch, bf16_matches_fp32_reference, differential
-
 from vllm.v1.worker.gpu.sample import min_p as vmod
 
 SHAPES = [(1, 100), (3, 1024), (8, 5003)]
@@ -26,8 +25,12 @@ def make_case(num_tokens: int, vocab: int, dtype: torch.dtype):
         mapping = torch.randperm(max_reqs, generator=g)[:num_tokens].to(torch.int32)
         min_p = torch.rand(max_reqs, generator=g) * 0.5
         min_p[torch.rand(max_reqs, generator=g) < 0.3] = 0.0  # some rows disabled
-        return Launch(grid=(num_tokens,), args=(logits, logits.stride(0), mapping, min_p, vocab),
-                      kwargs={"BLOCK_SIZE": 1024}, watch={"logits": logits, "mapping": mapping, "min_p": min_p})
+        return Launch(
+            grid=(num_tokens,),
+            args=(logits, logits.stride(0), mapping, min_p, vocab),
+            kwargs={"BLOCK_SIZE": 1024},
+            watch={"logits": logits, "mapping": mapping, "min_p": min_p},
+        )
 
     return make
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from diff import Launch, differential, native_launches
-
 from vllm.v1.worker.gpu.metrics import logits as vmod
 
 KERNEL = vmod._num_nans_kernel
@@ -21,16 +20,22 @@ def make_case(num_reqs: int, vocab: int, dtype: torch.dtype = torch.float32, blo
         g = torch.Generator().manual_seed(seed)
         # Padded rows (stride > vocab) with NaNs in the padding and an extra NaN row prove stride and row count.
         logits = torch.randn(num_reqs + 1, vocab + 5, generator=g)
-        rate = torch.rand(num_reqs + 1, 1, generator=g) * torch.tensor([0.0, 0.01, 0.5])[
-            torch.randint(0, 3, (num_reqs + 1, 1), generator=g)]
+        rate = (
+            torch.rand(num_reqs + 1, 1, generator=g)
+            * torch.tensor([0.0, 0.01, 0.5])[torch.randint(0, 3, (num_reqs + 1, 1), generator=g)]
+        )
         logits[torch.rand(logits.shape, generator=g) < rate] = float("nan")
         logits[:, vocab:] = float("nan")
         logits[num_reqs] = float("nan")
         logits[0, :3] = torch.tensor([float("inf"), -float("inf"), -0.0])  # not NaN
         logits = logits.to(dtype)
         out = torch.full((num_reqs + 2,), -7, dtype=torch.int32)
-        return Launch(grid=(num_reqs,), args=(logits, logits.stride(0), out, vocab), kwargs={"BLOCK_SIZE": block},
-                      watch={"logits": logits, "num_nans": out})
+        return Launch(
+            grid=(num_reqs,),
+            args=(logits, logits.stride(0), out, vocab),
+            kwargs={"BLOCK_SIZE": block},
+            watch={"logits": logits, "num_nans": out},
+        )
 
     return make
 

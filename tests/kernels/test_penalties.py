@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff import Launch, assert_same, bf16_matches_fp32_reference, differential, native_launches, run_interpreter, run_native
-
+from diff import (
+    Launch,
+    assert_same,
+    bf16_matches_fp32_reference,
+    differential,
+    native_launches,
+    run_interpreter,
+    run_native,
+)
 from vllm.v1.worker.gpu.sample import penalties as vmod
 
 SHAPES = [(1, 100), (4, 1000), (7, 5003)]  # (requests, vocab)
@@ -28,8 +35,7 @@ def _requests(g: torch.Generator, num_reqs: int, max_reqs: int, spec: bool):
     return mapping, local_pos
 
 
-def make_penalties_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, spec: bool = False,
-                        block_size: int = 8192):
+def make_penalties_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, spec: bool = False, block_size: int = 8192):
     def make(seed: int) -> Launch:
         g = torch.Generator().manual_seed(seed)
         max_reqs = num_reqs + 3
@@ -46,15 +52,39 @@ def make_penalties_case(num_reqs: int, vocab: int, dtype: torch.dtype, *, spec: 
         if seed % 3 == 0:  # one row without any penalty
             rep[mapping[0]], freq[mapping[0]], pres[mapping[0]] = 1.0, 0.0, 0.0
         words = (vocab + 31) // 32
-        prompt_bin_mask = torch.randint(-2**31, 2**31, (max_reqs, words), generator=g, dtype=torch.int64)
-        prompt_bin_mask = (prompt_bin_mask & torch.randint(-2**31, 2**31, (max_reqs, words), generator=g)).to(torch.int32)
+        prompt_bin_mask = torch.randint(-(2**31), 2**31, (max_reqs, words), generator=g, dtype=torch.int64)
+        prompt_bin_mask = (prompt_bin_mask & torch.randint(-(2**31), 2**31, (max_reqs, words), generator=g)).to(
+            torch.int32
+        )
         counts = torch.randint(0, 4, (max_reqs, vocab), generator=g, dtype=torch.int32)
         counts[torch.rand(max_reqs, vocab, generator=g) < 0.8] = 0
         grid = (num_tokens, -(-vocab // block_size))
-        args = (logits, logits.stride(0), mapping, token_ids, local_pos, rep, freq, pres,
-                prompt_bin_mask, prompt_bin_mask.stride(0), counts, counts.stride(0), vocab)
-        watch = {"logits": logits, "mapping": mapping, "token_ids": token_ids, "local_pos": local_pos, "rep": rep,
-                 "freq": freq, "pres": pres, "prompt_bin_mask": prompt_bin_mask, "counts": counts}
+        args = (
+            logits,
+            logits.stride(0),
+            mapping,
+            token_ids,
+            local_pos,
+            rep,
+            freq,
+            pres,
+            prompt_bin_mask,
+            prompt_bin_mask.stride(0),
+            counts,
+            counts.stride(0),
+            vocab,
+        )
+        watch = {
+            "logits": logits,
+            "mapping": mapping,
+            "token_ids": token_ids,
+            "local_pos": local_pos,
+            "rep": rep,
+            "freq": freq,
+            "pres": pres,
+            "prompt_bin_mask": prompt_bin_mask,
+            "counts": counts,
+        }
         return Launch(grid=grid, args=args, kwargs={"BLOCK_SIZE": block_size}, watch=watch)
 
     return make
@@ -100,12 +130,14 @@ def test_penalties_fp16():
 
 @pytest.mark.parametrize("num_reqs,vocab", SHAPES[1:])
 def test_penalties_bf16_matches_fp32_reference(num_reqs, vocab):
-    bf16_matches_fp32_reference(vmod._penalties_kernel, make_penalties_case(num_reqs, vocab, torch.bfloat16, spec=True),
-                                range(3))
+    bf16_matches_fp32_reference(
+        vmod._penalties_kernel, make_penalties_case(num_reqs, vocab, torch.bfloat16, spec=True), range(3)
+    )
 
 
-def make_bincount_case(num_reqs: int, vocab: int, *, block_size: int = 1024, max_len: int = 3000,
-                       odd_lengths: bool = False):
+def make_bincount_case(
+    num_reqs: int, vocab: int, *, block_size: int = 1024, max_len: int = 3000, odd_lengths: bool = False
+):
     def make(seed: int) -> Launch:
         g = torch.Generator().manual_seed(seed)
         max_reqs = num_reqs + 3
@@ -118,15 +150,30 @@ def make_bincount_case(num_reqs: int, vocab: int, *, block_size: int = 1024, max
             prefill_len = torch.randint(0, max_len // 2, (max_reqs,), generator=g, dtype=torch.int32)
         mapping = torch.randperm(max_reqs, generator=g)[:num_reqs].to(torch.int32)
         # The launcher zeroes the rows first; start from noise so OR / add (not overwrite) is checked.
-        prompt_bin_mask = torch.randint(-2**31, 2**31, (max_reqs, (vocab + 31) // 32), generator=g).to(torch.int32)
+        prompt_bin_mask = torch.randint(-(2**31), 2**31, (max_reqs, (vocab + 31) // 32), generator=g).to(torch.int32)
         prompt_bin_mask[torch.rand(prompt_bin_mask.shape, generator=g) < 0.7] = 0
         counts = torch.randint(0, 3, (max_reqs, vocab), generator=g, dtype=torch.int32)
         max_prefill = int(prefill_len[mapping.long()].max())
         grid = (num_reqs, -(-max_prefill // block_size))
-        args = (mapping, all_token_ids, all_token_ids.stride(0), prompt_len, prefill_len, prompt_bin_mask,
-                prompt_bin_mask.stride(0), counts, counts.stride(0))
-        watch = {"mapping": mapping, "all_token_ids": all_token_ids, "prompt_len": prompt_len,
-                 "prefill_len": prefill_len, "prompt_bin_mask": prompt_bin_mask, "counts": counts}
+        args = (
+            mapping,
+            all_token_ids,
+            all_token_ids.stride(0),
+            prompt_len,
+            prefill_len,
+            prompt_bin_mask,
+            prompt_bin_mask.stride(0),
+            counts,
+            counts.stride(0),
+        )
+        watch = {
+            "mapping": mapping,
+            "all_token_ids": all_token_ids,
+            "prompt_len": prompt_len,
+            "prefill_len": prefill_len,
+            "prompt_bin_mask": prompt_bin_mask,
+            "counts": counts,
+        }
         return Launch(grid=grid, args=args, kwargs={"BLOCK_SIZE": block_size}, watch=watch)
 
     return make

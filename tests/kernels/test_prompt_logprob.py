@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from diff import Launch, differential, native_entry, native_launches
-
 from vllm.v1.worker.gpu.sample import prompt_logprob as vmod
 
 
@@ -31,10 +30,12 @@ def make_case(num_reqs: int, max_query: int, *, max_model_len: int = 4096, pad_t
         num_tokens = int(qsl[-1]) + pad_tokens  # the launcher's num_tokens includes padding
         out = torch.full((num_tokens,), -9, dtype=torch.int64)
         view = table[1:, :max_model_len]  # storage offset and padded stride must be honoured
-        return Launch(grid=(num_reqs,), args=(out, qsl, mapping, num_computed, view, view.stride(0)),
-                      kwargs={"BLOCK_SIZE": 1024},
-                      watch={"out": out, "qsl": qsl, "mapping": mapping, "num_computed": num_computed,
-                             "table": table})
+        return Launch(
+            grid=(num_reqs,),
+            args=(out, qsl, mapping, num_computed, view, view.stride(0)),
+            kwargs={"BLOCK_SIZE": 1024},
+            watch={"out": out, "qsl": qsl, "mapping": mapping, "num_computed": num_computed, "table": table},
+        )
 
     return make
 

@@ -13,15 +13,23 @@ import textwrap
 import pytest
 import torch
 from diff import Launch, differential
+from vllm.v1.worker.gpu import structured_outputs as vmod
 
 from mmcpu.config import REPO_ROOT
-from vllm.v1.worker.gpu import structured_outputs as vmod
 
 SHAPES = [(1, 100), (3, 1000), (6, 5003)]  # (masks, vocab)
 
 
-def make_case(num_masks: int, vocab: int, dtype: torch.dtype = torch.float32, *, block_size: int = 8192,
-              duplicates: bool = False, extra_words: int = 0, mask_stride: int = 3):
+def make_case(
+    num_masks: int,
+    vocab: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    block_size: int = 8192,
+    duplicates: bool = False,
+    extra_words: int = 0,
+    mask_stride: int = 3,
+):
     """Masks keyed ``request * MASK_STRIDE + position`` as ``_build_grammar_mapping`` makes them, over requests
     with 1..MASK_STRIDE logits rows (``cu_num_logits``); some positions lie past their request's rows (drafts
     trimmed on device: inactive masks). ``duplicates``: several masks for one (request, position).
@@ -38,19 +46,19 @@ def make_case(num_masks: int, vocab: int, dtype: torch.dtype = torch.float32, *,
         logits = (torch.randn(num_rows, vocab + 3, generator=g) * 3).to(dtype)
         keys = torch.randperm(num_reqs * mask_stride, generator=g)[:num_masks]
         if duplicates:
-            keys[num_masks // 2:] = keys[torch.randint(0, max(num_masks // 2, 1), (num_masks - num_masks // 2,),
-                                                       generator=g)]
+            keys[num_masks // 2 :] = keys[
+                torch.randint(0, max(num_masks // 2, 1), (num_masks - num_masks // 2,), generator=g)
+            ]
         words = (vocab + 31) // 32 + extra_words
-        bitmask = torch.randint(-2**31, 2**31, (num_masks, words), generator=g)
-        bitmask |= torch.randint(-2**31, 2**31, (num_masks, words), generator=g)  # mostly allowed, as grammars are
+        bitmask = torch.randint(-(2**31), 2**31, (num_masks, words), generator=g)
+        bitmask |= torch.randint(-(2**31), 2**31, (num_masks, words), generator=g)  # mostly allowed, as grammars are
         bitmask = bitmask.to(torch.int32)
         bitmask[0, : words // 3] = -1  # all allowed
-        bitmask[-1, words // 2:] = 0  # all banned
+        bitmask[-1, words // 2 :] = 0  # all banned
         args = (logits, logits.stride(0), keys.to(torch.int32), cu, bitmask, bitmask.stride(0), vocab)
         watch = {"logits": logits, "indices": args[2], "cu": cu, "bitmask": bitmask}
         grid = (num_masks, -(-vocab // block_size))
-        return Launch(grid=grid, args=args, kwargs={"MASK_STRIDE": mask_stride, "BLOCK_SIZE": block_size},
-                      watch=watch)
+        return Launch(grid=grid, args=args, kwargs={"MASK_STRIDE": mask_stride, "BLOCK_SIZE": block_size}, watch=watch)
 
     return make
 
@@ -72,9 +80,11 @@ def test_bitmask(num_masks, vocab, dtype):
     assert differential(vmod._apply_grammar_bitmask_kernel, make_case(num_masks, vocab, dtype), range(4)) == 4
 
 
-@pytest.mark.parametrize("kw", [{"block_size": 1024}, {"duplicates": True}, {"extra_words": 5},
-                                {"extra_words": -3}, {"mask_stride": 1}],
-                         ids=["many-blocks", "duplicate-rows", "wide", "narrow", "no-drafts"])
+@pytest.mark.parametrize(
+    "kw",
+    [{"block_size": 1024}, {"duplicates": True}, {"extra_words": 5}, {"extra_words": -3}, {"mask_stride": 1}],
+    ids=["many-blocks", "duplicate-rows", "wide", "narrow", "no-drafts"],
+)
 def test_bitmask_edges(kw):
     assert differential(vmod._apply_grammar_bitmask_kernel, make_case(4, 5003, **kw), range(3)) == 3
 
@@ -120,8 +130,9 @@ def test_worker_on_cpu():
     where pinning exists, upstream since 0.27) reaches the native kernel through the dispatcher and matches the
     interpreter."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _WORKER_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["native_launches"] == 1 and out["equal"], out

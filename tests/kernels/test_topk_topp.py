@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 from diff import Launch, assert_same, native_launches, run_interpreter, run_native
+from vllm.v1.sample.ops import topk_topp_triton as vmod
 
 import mmcpu.kernels.topk_topp as native_mod
-from vllm.v1.sample.ops import topk_topp_triton as vmod
 
 KERNEL = vmod._topk_topp_kernel
 NINF = float("-inf")
@@ -34,8 +34,10 @@ def native_dispatch():
 
 
 def tables():
-    return (torch.tensor(vmod._PERCENTILE_TO_STD_TABLE, dtype=torch.float32),
-            torch.tensor(vmod._NORMAL_CDF_TO_SIGMA_TABLE, dtype=torch.float32))
+    return (
+        torch.tensor(vmod._PERCENTILE_TO_STD_TABLE, dtype=torch.float32),
+        torch.tensor(vmod._NORMAL_CDF_TO_SIGMA_TABLE, dtype=torch.float32),
+    )
 
 
 def random_logits(g: torch.Generator, batch: int, vocab: int, kind: int) -> torch.Tensor:
@@ -50,8 +52,9 @@ def random_logits(g: torch.Generator, batch: int, vocab: int, kind: int) -> torc
         x.scatter_add_(1, hot, 8 + 6 * torch.rand(batch, 4, generator=g))
     if kind == 5:  # clusters of values a few ulps apart (1e-9 "duplicates" once turned into probabilities)
         base = x[:, :1] + torch.randint(0, 4, (batch, vocab), generator=g) * 0.5
-        x = torch.where(torch.rand(batch, vocab, generator=g) < 0.6, base + torch.randn(batch, vocab, generator=g)
-                        * 3e-7, x)
+        x = torch.where(
+            torch.rand(batch, vocab, generator=g) < 0.6, base + torch.randn(batch, vocab, generator=g) * 3e-7, x
+        )
     if kind == 6:  # one huge negative outlier early on: the pivot searches cannot resolve the cut
         x[:, torch.randint(0, min(vocab, 256), (1,), generator=g)] = -3e4
         x = x.round(decimals=2) + torch.randint(0, 3, (batch, vocab), generator=g) * 2e-5
@@ -77,8 +80,16 @@ def random_kp(g: torch.Generator, batch: int, vocab: int):
     return k.to(torch.int32), p.to(torch.float32)
 
 
-def make_case(batch: int, vocab: int, mode: str, *, dtype=torch.float32, stride_pad: int = 0,
-              mask_value: float = NINF, split_covers_ponly: bool = False):
+def make_case(
+    batch: int,
+    vocab: int,
+    mode: str,
+    *,
+    dtype=torch.float32,
+    stride_pad: int = 0,
+    mask_value: float = NINF,
+    split_covers_ponly: bool = False,
+):
     def make(seed: int) -> Launch:
         g = torch.Generator().manual_seed(seed)
         # Padded rows (stride > vocab) and an extra row past BATCH_SIZE that must stay untouched.
@@ -90,9 +101,16 @@ def make_case(batch: int, vocab: int, mode: str, *, dtype=torch.float32, stride_
         buffer = torch.zeros(programs, vocab)
         topk, topp = mode in ("k", "kp"), mode in ("p", "kp")
         args = (logits, logits.stride(0), buffer, pct, cdf, k if topk else logits, p if topp else logits)
-        kwargs = dict(BATCH_SIZE=batch, MASK_VALUE=mask_value, VOCAB_SIZE=vocab, BLOCK_SIZE=256,
-                      BLOCK_SIZE_TRUNC=128, TOPK_ENABLED=topk, TOPP_ENABLED=topp,
-                      SPLIT_COVERS_PONLY=split_covers_ponly)
+        kwargs = dict(
+            BATCH_SIZE=batch,
+            MASK_VALUE=mask_value,
+            VOCAB_SIZE=vocab,
+            BLOCK_SIZE=256,
+            BLOCK_SIZE_TRUNC=128,
+            TOPK_ENABLED=topk,
+            TOPP_ENABLED=topp,
+            SPLIT_COVERS_PONLY=split_covers_ponly,
+        )
         watch = {"logits": full, "k": k, "p": p, "pct": pct, "cdf": cdf}
         return Launch(grid=(programs,), args=args, kwargs=kwargs, watch=watch)
 
@@ -197,8 +215,9 @@ def test_top_k_is_exact_with_lowest_index_ties(native_dispatch):
 def test_dispatch_routes_apply_top_k_top_p_triton():
     logits = torch.randn(4, 51864)
     with native_launches() as launched:
-        out = vmod.apply_top_k_top_p_triton(logits, torch.tensor([5, 51864, 40, 1], dtype=torch.int32),
-                                            torch.tensor([1.0, 0.5, 1.0, 0.3]))
+        out = vmod.apply_top_k_top_p_triton(
+            logits, torch.tensor([5, 51864, 40, 1], dtype=torch.int32), torch.tensor([1.0, 0.5, 1.0, 0.3])
+        )
     assert launched["_topk_topp_kernel"] == 1
     kept = (out > NINF).sum(dim=1).tolist()
     assert [kept[0], kept[2], kept[3]] == [5, 40, 1] and 1 <= kept[1] < 51864

@@ -14,7 +14,6 @@ import types
 import pytest
 import torch
 from diff import Launch, differential, native_launches
-
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker import utils as vmod
 
@@ -30,8 +29,15 @@ def _kv_cache(g, layout: str, blocks: int, head: int, dtype: torch.dtype) -> tor
     return (torch.randn(blocks, 2, HEADS, KERNEL_BS, head, generator=g) * 5).to(dtype)
 
 
-def build_world(seed: int, layout: str, dtype: torch.dtype, num_layers: int, num_blocks: int, ratio: int,
-                head_sizes: tuple[int, ...] = (32,)):
+def build_world(
+    seed: int,
+    layout: str,
+    dtype: torch.dtype,
+    num_layers: int,
+    num_blocks: int,
+    ratio: int,
+    head_sizes: tuple[int, ...] = (32,),
+):
     """One KV-cache group per entry of ``head_sizes`` (so pages of different sizes), ``num_layers`` each."""
     g = torch.Generator().manual_seed(seed)
     ctx, groups = {}, []
@@ -42,33 +48,48 @@ def build_world(seed: int, layout: str, dtype: torch.dtype, num_layers: int, num
             kv = _kv_cache(g, layout, num_blocks * ratio, head, dtype)
             names.append(f"group{gid}.layer{i}")
             ctx[names[-1]] = types.SimpleNamespace(kv_cache=kv)
-        groups.append(types.SimpleNamespace(kv_cache_spec=spec, kv_cache_group_id=gid, layer_names=names,
-                                            kernel_block_stride=0))
+        groups.append(
+            types.SimpleNamespace(kv_cache_spec=spec, kv_cache_group_id=gid, layer_names=names, kernel_block_stride=0)
+        )
     zeroer = vmod.KVBlockZeroer(torch.device("cpu"), groups, [KERNEL_BS] * len(head_sizes), ctx, num_blocks)
     return zeroer, {n: c.kv_cache for n, c in ctx.items()}, g
 
 
-def make_case(layout: str, dtype: torch.dtype, num_layers: int, num_blocks: int, n_ids: int, ratio: int = 1,
-              head_sizes: tuple[int, ...] = (32,)):
+def make_case(
+    layout: str,
+    dtype: torch.dtype,
+    num_layers: int,
+    num_blocks: int,
+    n_ids: int,
+    ratio: int = 1,
+    head_sizes: tuple[int, ...] = (32,),
+):
     def make(seed: int) -> Launch:
         zeroer, caches, g = build_world(seed, layout, dtype, num_layers, num_blocks, ratio, head_sizes)
         seg_addrs, strides, pages, max_chunks, blk_size, n_segs = zeroer._meta
         ids = torch.randperm(num_blocks, generator=g)[:n_ids].to(torch.int64)
-        return Launch(grid=(n_ids, n_segs, max_chunks), args=(seg_addrs, strides, pages, ids),
-                      kwargs={"BLOCK_SIZE": blk_size},
-                      # The address tables differ between worlds by construction, so they are not compared.
-                      watch={**caches, "ids": ids, "strides": strides, "pages": pages}, keep=[zeroer])
+        return Launch(
+            grid=(n_ids, n_segs, max_chunks),
+            args=(seg_addrs, strides, pages, ids),
+            kwargs={"BLOCK_SIZE": blk_size},
+            # The address tables differ between worlds by construction, so they are not compared.
+            watch={**caches, "ids": ids, "strides": strides, "pages": pages},
+            keep=[zeroer],
+        )
 
     return make
 
 
-@pytest.mark.parametrize("layout,dtype,num_layers,num_blocks,n_ids,ratio", [
-    ("cpu", torch.float32, 1, 4, 1, 1),
-    ("cpu", torch.bfloat16, 3, 12, 5, 1),
-    ("kv_outer", torch.float16, 2, 10, 4, 1),
-    ("cpu", torch.float32, 2, 6, 3, 2),
-    ("kv_outer", torch.float32, 1, 6, 3, 2),
-])
+@pytest.mark.parametrize(
+    "layout,dtype,num_layers,num_blocks,n_ids,ratio",
+    [
+        ("cpu", torch.float32, 1, 4, 1, 1),
+        ("cpu", torch.bfloat16, 3, 12, 5, 1),
+        ("kv_outer", torch.float16, 2, 10, 4, 1),
+        ("cpu", torch.float32, 2, 6, 3, 2),
+        ("kv_outer", torch.float32, 1, 6, 3, 2),
+    ],
+)
 def test_zero_kv_blocks(layout, dtype, num_layers, num_blocks, n_ids, ratio):
     make = make_case(layout, dtype, num_layers, num_blocks, n_ids, ratio)
     assert make(0).grid[1] == num_layers * ratio * (2 if layout == "kv_outer" else 1)  # the segments meant

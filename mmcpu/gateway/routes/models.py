@@ -15,8 +15,9 @@ router = APIRouter(tags=["models"])
 async def _merged(upstreams: UpstreamsDep) -> list[dict[str, Any]]:
     await upstreams.refresh()
     if len(upstreams.down()) == len(upstreams.engines):
-        raise OpenAIError(503, f"No engine is available: {upstreams.down_summary()}", type="server_error",
-                          code="engine_unavailable")
+        raise OpenAIError(
+            503, f"No engine is available: {upstreams.down_summary()}", type="server_error", code="engine_unavailable"
+        )
     return upstreams.models()
 
 

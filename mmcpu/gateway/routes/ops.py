@@ -27,8 +27,12 @@ async def health(request: Request, upstreams: UpstreamsDep, settings: SettingsDe
         # Without the key: up or down only. Engine names, addresses, models and errors map the inside.
         return JSONResponse({"status": status}, status_code=code)
     engines = {
-        e.name: {"url": e.url, "up": bool(e.up), "models": [m.get("id") for m in e.models],
-                 **({} if e.up else {"error": e.error})}
+        e.name: {
+            "url": e.url,
+            "up": bool(e.up),
+            "models": [m.get("id") for m in e.models],
+            **({} if e.up else {"error": e.error}),
+        }
         for e in upstreams.engines.values()
     }
     return JSONResponse({"status": status, "down": down, "engines": engines}, status_code=code)

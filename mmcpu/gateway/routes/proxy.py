@@ -38,14 +38,17 @@ class _ModelField:
         self.is_file = False
         self._header = self._value = self._disposition = b""
         self._current = False
-        self.parser = MultipartParser(boundary, {
-            "on_header_field": self._on_header_field,
-            "on_header_value": self._on_header_value,
-            "on_header_end": self._on_header_end,
-            "on_headers_finished": self._on_headers_finished,
-            "on_part_data": self._on_data,
-            "on_part_end": self._on_part_end,
-        })
+        self.parser = MultipartParser(
+            boundary,
+            {
+                "on_header_field": self._on_header_field,
+                "on_header_value": self._on_header_value,
+                "on_header_end": self._on_header_end,
+                "on_headers_finished": self._on_headers_finished,
+                "on_part_data": self._on_data,
+                "on_part_end": self._on_part_end,
+            },
+        )
 
     # Header names and values arrive in pieces wherever a read ends: collect until the header ends.
     def _on_header_field(self, data: bytes, start: int, end: int) -> None:
@@ -120,8 +123,9 @@ def check_json_shape(raw: bytes, max_depth: int, max_items: int) -> None:
     """400 for a body nested deeper than ``max_depth`` or holding more than ``max_items`` values, found from its
     bytes before it is parsed (in C: regular expressions and numpy), so parsing never meets a recursion limit or
     builds millions of objects. Each string counts as one value whatever its length (an image as base64)."""
-    too_many = OpenAIError(400, f"The JSON body holds more than {max_items} values (MMCPU_MAX_JSON_ITEMS).",
-                           code="json_too_large")
+    too_many = OpenAIError(
+        400, f"The JSON body holds more than {max_items} values (MMCPU_MAX_JSON_ITEMS).", code="json_too_large"
+    )
     # bytes.replace left to right pairs backslashes as a JSON string does; no per-match cost.
     unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     if unescaped.count(b'"') > 2 * max_items + 2:  # every string is a value or a key: bounds the matches below
@@ -135,8 +139,11 @@ def check_json_shape(raw: bytes, max_depth: int, max_items: int) -> None:
         brackets = np.frombuffer(_NOT_BRACKET.sub(b"", structure), np.uint8)
         steps = np.where(np.isin(brackets, _OPEN), 1, -1).astype(np.int32)
         if steps.size and int(np.cumsum(steps).max()) > max_depth:
-            raise OpenAIError(400, f"The JSON body is nested deeper than {max_depth} levels (MMCPU_MAX_JSON_DEPTH).",
-                              code="json_too_deep")
+            raise OpenAIError(
+                400,
+                f"The JSON body is nested deeper than {max_depth} levels (MMCPU_MAX_JSON_DEPTH).",
+                code="json_too_deep",
+            )
 
 
 async def _json_model(request: Request, settings: Settings) -> tuple[object, bytes, object]:
@@ -162,18 +169,27 @@ def check_work(payload: object, settings: Settings, model_len: int | None, model
     for name in ("n", "best_of"):
         value = _count(payload.get(name))
         if value is not None and value > settings.max_n:
-            raise OpenAIError(400, f"'{name}' is {value}: at most {settings.max_n} choices per request here "
-                                   "(MMCPU_MAX_N).", param=name)
+            raise OpenAIError(
+                400,
+                f"'{name}' is {value}: at most {settings.max_n} choices per request here (MMCPU_MAX_N).",
+                param=name,
+            )
     for name in ("max_tokens", "max_completion_tokens"):
         value = _count(payload.get(name))
         if value is None:
             continue
         if settings.max_output_tokens is not None and value > settings.max_output_tokens:
-            raise OpenAIError(400, f"'{name}' is {value}: at most {settings.max_output_tokens} here "
-                                   "(MMCPU_MAX_OUTPUT_TOKENS).", param=name)
+            raise OpenAIError(
+                400,
+                f"'{name}' is {value}: at most {settings.max_output_tokens} here (MMCPU_MAX_OUTPUT_TOKENS).",
+                param=name,
+            )
         if model_len is not None and value > model_len:
-            raise OpenAIError(400, f"'{name}' is {value}, more than the model length of '{model}' ({model_len} "
-                                   "tokens, prompt included).", param=name)
+            raise OpenAIError(
+                400,
+                f"'{name}' is {value}, more than the model length of '{model}' ({model_len} tokens, prompt included).",
+                param=name,
+            )
 
 
 @router.post("/v1/audio/transcriptions")
@@ -182,6 +198,8 @@ def check_work(payload: object, settings: Settings, model_len: int | None, model
 async def proxy(request: Request, upstreams: UpstreamsDep, settings: SettingsDep) -> StreamingResponse:
     content_type = request.headers.get("content-type", "")
     payload: object = None
+    model: object
+    content: bytes | AsyncIterator[bytes]
     if content_type.lower().startswith("multipart/form-data"):
         model, content = await _multipart_model(request, content_type)
     else:

@@ -57,7 +57,7 @@ def _key_ok(websocket: WebSocket, offered: list[str]) -> bool:
         return True
     scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer":
-        token = next((s[len(KEY_PROTOCOL):] for s in offered if s.startswith(KEY_PROTOCOL)), "")
+        token = next((s[len(KEY_PROTOCOL) :] for s in offered if s.startswith(KEY_PROTOCOL)), "")
     return secrets.compare_digest(token.strip().encode(), expected.encode())
 
 
@@ -73,14 +73,22 @@ async def _deny(websocket: WebSocket, error: OpenAIError) -> None:
 async def realtime(websocket: WebSocket) -> None:
     offered = [s.strip() for s in websocket.headers.get("sec-websocket-protocol", "").split(",") if s.strip()]
     if not _key_ok(websocket, offered):
-        await _deny(websocket, OpenAIError(401, "Missing or incorrect API key: send 'Authorization: Bearer <key>' "
-                                                "or the subprotocol 'openai-insecure-api-key.<key>'.",
-                                           code="invalid_api_key"))
+        await _deny(
+            websocket,
+            OpenAIError(
+                401,
+                "Missing or incorrect API key: send 'Authorization: Bearer <key>' "
+                "or the subprotocol 'openai-insecure-api-key.<key>'.",
+                code="invalid_api_key",
+            ),
+        )
         return
     intent = websocket.query_params.get("intent")
     if intent not in (None, "transcription"):
-        await _deny(websocket, OpenAIError(400, f"intent {intent!r} is not served here: only "
-                                                "intent=transcription", param="intent"))
+        await _deny(
+            websocket,
+            OpenAIError(400, f"intent {intent!r} is not served here: only intent=transcription", param="intent"),
+        )
         return
     # A browser drops the connection unless one of its subprotocols is echoed; the key is never echoed.
     subprotocol = next((s for s in ("realtime", BETA_PROTOCOL) if s in offered), None)
@@ -88,9 +96,16 @@ async def realtime(websocket: WebSocket) -> None:
     sessions = hub(websocket.app)
     if not sessions.open():
         limit = websocket.app.state.settings.realtime_max_sessions
-        await websocket.send_text(json.dumps(p.error_event(
-            f"The gateway holds its limit of {limit} realtime sessions (MMCPU_REALTIME_MAX_SESSIONS): try again "
-            "later", type="server_error", code="session_limit_reached")))
+        await websocket.send_text(
+            json.dumps(
+                p.error_event(
+                    f"The gateway holds its limit of {limit} realtime sessions (MMCPU_REALTIME_MAX_SESSIONS): "
+                    "try again later",
+                    type="server_error",
+                    code="session_limit_reached",
+                )
+            )
+        )
         await websocket.close(1013)
         return
     beta = "realtime=v1" in websocket.headers.get("openai-beta", "") or BETA_PROTOCOL in offered
@@ -108,8 +123,9 @@ async def realtime(websocket: WebSocket) -> None:
             raise Closed("the client is gone") from None
 
     try:
-        session = Session(sessions, websocket.app.state.upstreams, receive, send, beta=beta,
-                          model=websocket.query_params.get("model"))
+        session = Session(
+            sessions, websocket.app.state.upstreams, receive, send, beta=beta, model=websocket.query_params.get("model")
+        )
     except vad.VadUnavailable as exc:  # a deployment problem: said to the client, and logged
         sessions.close(None)
         log.error("realtime: %s", exc)
@@ -122,8 +138,10 @@ async def realtime(websocket: WebSocket) -> None:
     try:
         await session.run()
     finally:
-        if websocket.application_state == WebSocketState.CONNECTED and \
-                websocket.client_state == WebSocketState.CONNECTED:
+        if (
+            websocket.application_state == WebSocketState.CONNECTED
+            and websocket.client_state == WebSocketState.CONNECTED
+        ):
             with contextlib.suppress(Exception):  # bounded: a client that reads nothing never takes the close
                 async with asyncio.timeout(websocket.app.state.settings.realtime_send_timeout_s):
                     await websocket.close(1000)

@@ -7,12 +7,26 @@ import torch
 from mmcpu.kernels.dispatch import native
 
 
-@native("vllm.v1.worker.gpu.mm.rope", "_prepare_rope_positions_kernel",
-        sha256="3c71f6bcc409d834ba22eb93cc29259d55f5e4026b668b0e4137f7f9e436ee32")
-def _prepare_rope_positions_kernel(grid, positions_ptr, positions_stride, prefill_positions_ptr,
-                                   prefill_positions_stride0, prefill_positions_stride1, prefill_delta_ptr,
-                                   idx_mapping_ptr, query_start_loc_ptr, prefill_lens_ptr, num_computed_tokens_ptr,
-                                   BLOCK_SIZE, NUM_DIMS):
+@native(
+    "vllm.v1.worker.gpu.mm.rope",
+    "_prepare_rope_positions_kernel",
+    sha256="3c71f6bcc409d834ba22eb93cc29259d55f5e4026b668b0e4137f7f9e436ee32",
+)
+def _prepare_rope_positions_kernel(
+    grid,
+    positions_ptr,
+    positions_stride,
+    prefill_positions_ptr,
+    prefill_positions_stride0,
+    prefill_positions_stride1,
+    prefill_delta_ptr,
+    idx_mapping_ptr,
+    query_start_loc_ptr,
+    prefill_lens_ptr,
+    num_computed_tokens_ptr,
+    BLOCK_SIZE,
+    NUM_DIMS,
+):
     # One program per request: for each of its query tokens and each rope dim, write either the staged
     # prefill position (request still in prefill) or orig_pos + delta (decode). BLOCK_SIZE only tiles the loop.
     num_reqs = grid[0]
@@ -42,8 +56,11 @@ def _prepare_rope_positions_kernel(grid, positions_ptr, positions_stride, prefil
     pos = (orig_pos + delta[tok_req]).to(positions_ptr.dtype).unsqueeze(0).expand(NUM_DIMS, total).clone()
     pre = is_prefill[tok_req].nonzero().flatten()
     if pre.numel():
-        src = (req[tok_req[pre]] * prefill_positions_stride0).unsqueeze(0) \
-            + (dims * prefill_positions_stride1).unsqueeze(1) + orig_pos[pre].long().unsqueeze(0)
+        src = (
+            (req[tok_req[pre]] * prefill_positions_stride0).unsqueeze(0)
+            + (dims * prefill_positions_stride1).unsqueeze(1)
+            + orig_pos[pre].long().unsqueeze(0)
+        )
         table = prefill_positions_ptr.as_strided((int(src.max()) + 1,), (1,))
         pos[:, pre] = table[src].to(pos.dtype)  # the store's cast, as tl.store into the int64 buffer
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-
 from mmcpu.kernels.dispatch import native
 
 
-@native("vllm.v1.worker.gpu.model_states.mamba_hybrid", "_scatter_num_accepted_kernel",
-        sha256="3bfefe75dd1765df2ea8fc025a221c713ac4d1809de1a4e3f22289432ff5b69d")
+@native(
+    "vllm.v1.worker.gpu.model_states.mamba_hybrid",
+    "_scatter_num_accepted_kernel",
+    sha256="3bfefe75dd1765df2ea8fc025a221c713ac4d1809de1a4e3f22289432ff5b69d",
+)
 def _scatter_num_accepted_kernel(grid, idx_mapping_ptr, num_sampled_ptr, num_accepted_ptr):
     # One program per batch row: num_accepted[idx_mapping[row]] = max(num_sampled[row], 1); -1 rows (filtered under
     # pipeline parallelism) are skipped.
@@ -23,8 +24,11 @@ def _scatter_num_accepted_kernel(grid, idx_mapping_ptr, num_sampled_ptr, num_acc
     num_accepted_ptr[req[keep].long()] = value.to(num_accepted_ptr.dtype)
 
 
-@native("vllm.v1.worker.gpu.model_states.mamba_hybrid", "_fill_num_accepted_kernel",
-        sha256="1c8ea4a64730954db4355dee52ea60ffdf0df99287214ed2f078da2d59f3f7d0")
+@native(
+    "vllm.v1.worker.gpu.model_states.mamba_hybrid",
+    "_fill_num_accepted_kernel",
+    sha256="1c8ea4a64730954db4355dee52ea60ffdf0df99287214ed2f078da2d59f3f7d0",
+)
 def _fill_num_accepted_kernel(grid, idx_mapping_ptr, num_accepted_ptr, num_sampled):
     # One program per batch row: num_accepted[idx_mapping[row]] = num_sampled (one value); -1 rows are skipped.
     rows = grid[0]

@@ -9,11 +9,25 @@ from mmcpu.kernels import ptr
 from mmcpu.kernels.dispatch import native
 
 
-@native("vllm.v1.worker.gpu.model_states.prompt_embeds", "_apply_prompt_embeds_kernel",
-        sha256="e72cd08343159f4313d0f109a7ca05832ba870588588c616285a24e580b8cfbd")
-def _apply_prompt_embeds_kernel(grid, inputs_embeds_ptr, inputs_embeds_stride, embeds_ptrs_ptr, mask_ptrs_ptr,
-                                embeds_lens_ptr, idx_mapping_ptr, query_start_loc_ptr, num_computed_tokens_ptr,
-                                hidden_size, TOKEN_BLOCK, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.model_states.prompt_embeds",
+    "_apply_prompt_embeds_kernel",
+    sha256="e72cd08343159f4313d0f109a7ca05832ba870588588c616285a24e580b8cfbd",
+)
+def _apply_prompt_embeds_kernel(
+    grid,
+    inputs_embeds_ptr,
+    inputs_embeds_stride,
+    embeds_ptrs_ptr,
+    mask_ptrs_ptr,
+    embeds_lens_ptr,
+    idx_mapping_ptr,
+    query_start_loc_ptr,
+    num_computed_tokens_ptr,
+    hidden_size,
+    TOKEN_BLOCK,
+    BLOCK_SIZE,
+):
     # Batch row b of request r still in its embeds (computed < len): its first min(query_len, len - computed)
     # tokens (as far as the grid's token blocks reach) take rows computed + t of r's embeds, except the rows its
     # is-token-ids mask (int8, pointer 0 = none) flags.
@@ -21,9 +35,14 @@ def _apply_prompt_embeds_kernel(grid, inputs_embeds_ptr, inputs_embeds_stride, e
     if num_reqs <= 0 or token_blocks <= 0:
         return
     dtype = inputs_embeds_ptr.dtype
-    dst = inputs_embeds_ptr.as_strided((inputs_embeds_ptr.untyped_storage().nbytes() // inputs_embeds_ptr.element_size()
-                                        - inputs_embeds_ptr.storage_offset(),), (1,))
-    qsl = query_start_loc_ptr[:num_reqs + 1].long().tolist()
+    dst = inputs_embeds_ptr.as_strided(
+        (
+            inputs_embeds_ptr.untyped_storage().nbytes() // inputs_embeds_ptr.element_size()
+            - inputs_embeds_ptr.storage_offset(),
+        ),
+        (1,),
+    )
+    qsl = query_start_loc_ptr[: num_reqs + 1].long().tolist()
     for b, r in enumerate(idx_mapping_ptr[:num_reqs].long().tolist()):
         if r < 0:  # a padded row: the kernel would read before the tables
             continue
@@ -36,7 +55,7 @@ def _apply_prompt_embeds_kernel(grid, inputs_embeds_ptr, inputs_embeds_stride, e
         t = torch.arange(n)
         mask_addr = int(mask_ptrs_ptr[r].view(torch.int64))
         if mask_addr != 0:
-            t = t[ptr.view(mask_addr, torch.int8, computed + n)[computed:computed + n] == 0]
+            t = t[ptr.view(mask_addr, torch.int8, computed + n)[computed : computed + n] == 0]
         if t.numel() == 0:
             continue
         src = ptr.view(int(embeds_ptrs_ptr[r].view(torch.int64)), dtype, (computed + n) * hidden_size)

@@ -11,16 +11,32 @@ from mmcpu.kernels.dispatch import native
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the flat memory its pointer addresses (index = element offset), writable."""
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=False))
     return t.as_strided((span,), (1,))
 
 
-@native("vllm.v1.worker.gpu.sample.bad_words", "_bad_words_kernel",
-        sha256="d615f1d7c7e1715c892f4ce9c67e792f1ec9b6bc03c59669d7a4bda710086d9c")
-def _bad_words_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, bad_word_token_ids_ptr,
-                      bad_word_token_ids_stride, bad_word_offsets_ptr, bad_word_offsets_stride, num_bad_words_ptr,
-                      all_token_ids_ptr, all_token_ids_stride, prompt_len_ptr, total_len_ptr, input_ids_ptr,
-                      expanded_local_pos_ptr):
+@native(
+    "vllm.v1.worker.gpu.sample.bad_words",
+    "_bad_words_kernel",
+    sha256="d615f1d7c7e1715c892f4ce9c67e792f1ec9b6bc03c59669d7a4bda710086d9c",
+)
+def _bad_words_kernel(
+    grid,
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    bad_word_token_ids_ptr,
+    bad_word_token_ids_stride,
+    bad_word_offsets_ptr,
+    bad_word_offsets_stride,
+    num_bad_words_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    prompt_len_ptr,
+    total_len_ptr,
+    input_ids_ptr,
+    expanded_local_pos_ptr,
+):
     # Program (t, w) = token row t, bad word w; all of them at once as (T, W[, prefix]) tensors.
     num_tokens, max_words = grid[0], grid[1]
     token = torch.arange(num_tokens)

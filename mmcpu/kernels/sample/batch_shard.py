@@ -16,13 +16,33 @@ def _rem(a: np.ndarray, b: int) -> np.ndarray:
     return np.fmod(a, b)
 
 
-@native("vllm.v1.worker.gpu.sample.batch_shard", "_build_shard_plan_kernel",
-        sha256="6a272249e10acaa49f4887ce053030010d1d366307e921371174850490db08cb")
-def _build_shard_plan_kernel(grid, idx_mapping_ptr, cu_num_logits_ptr, query_start_loc_ptr, seq_lens_ptr,
-                             sorted_logits_indices_ptr, gathered_src_indices_ptr, local_idx_mapping_ptr,
-                             local_cu_num_logits_ptr, local_logits_indices_ptr, local_expanded_idx_mapping_ptr,
-                             local_expanded_local_pos_ptr, local_seq_lens_ptr, num_reqs, local_logits_start,
-                             max_num_reqs_per_rank, TP_SIZE, TP_RANK, PADDED_NUM_REQS, PADDED_NUM_LOGITS_PER_REQ):
+@native(
+    "vllm.v1.worker.gpu.sample.batch_shard",
+    "_build_shard_plan_kernel",
+    sha256="6a272249e10acaa49f4887ce053030010d1d366307e921371174850490db08cb",
+)
+def _build_shard_plan_kernel(
+    grid,
+    idx_mapping_ptr,
+    cu_num_logits_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    sorted_logits_indices_ptr,
+    gathered_src_indices_ptr,
+    local_idx_mapping_ptr,
+    local_cu_num_logits_ptr,
+    local_logits_indices_ptr,
+    local_expanded_idx_mapping_ptr,
+    local_expanded_local_pos_ptr,
+    local_seq_lens_ptr,
+    num_reqs,
+    local_logits_start,
+    max_num_reqs_per_rank,
+    TP_SIZE,
+    TP_RANK,
+    PADDED_NUM_REQS,
+    PADDED_NUM_LOGITS_PER_REQ,
+):
     # Request i (owner o = its state index % TP_SIZE) gets its logits rows at an owner-sorted offset (rows of
     # lower owners, then of o's earlier requests); the owner rank also builds its local sub-batch.
     programs = grid[0]
@@ -31,7 +51,7 @@ def _build_shard_plan_kernel(grid, idx_mapping_ptr, cu_num_logits_ptr, query_sta
     idx, cu, qsl = flat(idx_mapping_ptr), flat(cu_num_logits_ptr), flat(query_start_loc_ptr)
     m = max(min(int(num_reqs), PADDED_NUM_REQS), 0)  # the requests each program's sums see
     owners = _rem(idx[:m].astype(np.int64), TP_SIZE)
-    counts = cu[1:m + 1].astype(np.int64) - cu[:m].astype(np.int64)
+    counts = cu[1 : m + 1].astype(np.int64) - cu[:m].astype(np.int64)
     sorted_out, src_out = flat(sorted_logits_indices_ptr), flat(gathered_src_indices_ptr)
     for i in range(programs):
         r = int(idx[i])
@@ -57,11 +77,25 @@ def _build_shard_plan_kernel(grid, idx_mapping_ptr, cu_num_logits_ptr, query_sta
             flat(local_seq_lens_ptr)[local_req] = flat(seq_lens_ptr)[i]
 
 
-@native("vllm.v1.worker.gpu.sample.batch_shard", "_pack_sampler_output_kernel",
-        sha256="596c2a58195b27dd426ac1d3f8d5de4fbc56f476eeaf9f603d084dbb90413c5f")
-def _pack_sampler_output_kernel(grid, packed_ptr, packed_stride, sampled_token_ids_ptr, sampled_token_ids_stride,
-                                num_sampled_ptr, num_rejected_ptr, num_nans_ptr, local_cu_num_logits_ptr,
-                                max_num_logits_per_req, num_src_cols, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.batch_shard",
+    "_pack_sampler_output_kernel",
+    sha256="596c2a58195b27dd426ac1d3f8d5de4fbc56f476eeaf9f603d084dbb90413c5f",
+)
+def _pack_sampler_output_kernel(
+    grid,
+    packed_ptr,
+    packed_stride,
+    sampled_token_ids_ptr,
+    sampled_token_ids_stride,
+    num_sampled_ptr,
+    num_rejected_ptr,
+    num_nans_ptr,
+    local_cu_num_logits_ptr,
+    max_num_logits_per_req,
+    num_src_cols,
+    BLOCK_SIZE,
+):
     # Local request i's row: its sampled ids (0 past num_src_cols), then num_sampled, num_rejected[, its NaNs].
     n = grid[0]
     if n <= 0:
@@ -74,22 +108,34 @@ def _pack_sampler_output_kernel(grid, packed_ptr, packed_stride, sampled_token_i
     for i in range(n):
         row = np.zeros(width, np.int64)
         take = min(have, width)
-        row[:take] = sampled[i * s_stride:i * s_stride + take]
-        packed[i * stride:i * stride + width] = row
+        row[:take] = sampled[i * s_stride : i * s_stride + take]
+        packed[i * stride : i * stride + width] = row
         packed[i * stride + mx] = ns[i]
         packed[i * stride + mx + 1] = nr[i]
         if num_nans_ptr is not None:
             cu = flat(local_cu_num_logits_ptr)
             start = int(cu[i])
             k = max(min(int(cu[i + 1]) - start, BLOCK_SIZE), 0)
-            packed[i * stride + mx + 2] = flat(num_nans_ptr)[start:start + k].astype(np.int64).sum()
+            packed[i * stride + mx + 2] = flat(num_nans_ptr)[start : start + k].astype(np.int64).sum()
 
 
-@native("vllm.v1.worker.gpu.sample.batch_shard", "_unpack_gathered_output_kernel",
-        sha256="e747177c9e3e8c8db493d14d0d06c537264238858fe6b69940ab86669522a879")
-def _unpack_gathered_output_kernel(grid, gathered_ptr, gathered_stride, gathered_src_indices_ptr,
-                                   sampled_token_ids_ptr, num_sampled_ptr, num_rejected_ptr, num_nans_ptr,
-                                   max_num_logits_per_req, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.batch_shard",
+    "_unpack_gathered_output_kernel",
+    sha256="e747177c9e3e8c8db493d14d0d06c537264238858fe6b69940ab86669522a879",
+)
+def _unpack_gathered_output_kernel(
+    grid,
+    gathered_ptr,
+    gathered_stride,
+    gathered_src_indices_ptr,
+    sampled_token_ids_ptr,
+    num_sampled_ptr,
+    num_rejected_ptr,
+    num_nans_ptr,
+    max_num_logits_per_req,
+    BLOCK_SIZE,
+):
     # Request i reads gathered row src[i]: its sampled ids, num_sampled, num_rejected[, NaNs] (int64 -> int32).
     n = grid[0]
     if n <= 0:
@@ -107,18 +153,34 @@ def _unpack_gathered_output_kernel(grid, gathered_ptr, gathered_stride, gathered
         flat(num_nans_ptr)[:n] = g[base + mx + 2].astype(np.int32)
 
 
-@native("vllm.v1.worker.gpu.sample.batch_shard", "_pack_logprobs_kernel",
-        sha256="1620e6d121c5381f0f464dea460ea136ee330bbeaecda5c89a5cb76b54d14de9")
-def _pack_logprobs_kernel(grid, send_ids_ptr, send_ids_stride, send_logprobs_ptr, send_logprobs_stride, src_ids_ptr,
-                          src_ids_stride, src_logprobs_ptr, src_logprobs_stride, selected_token_ranks_ptr,
-                          local_cu_num_logits_ptr, max_num_logits_per_req, num_logprob_cols, num_src_cols,
-                          BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.batch_shard",
+    "_pack_logprobs_kernel",
+    sha256="1620e6d121c5381f0f464dea460ea136ee330bbeaecda5c89a5cb76b54d14de9",
+)
+def _pack_logprobs_kernel(
+    grid,
+    send_ids_ptr,
+    send_ids_stride,
+    send_logprobs_ptr,
+    send_logprobs_stride,
+    src_ids_ptr,
+    src_ids_stride,
+    src_logprobs_ptr,
+    src_logprobs_stride,
+    selected_token_ranks_ptr,
+    local_cu_num_logits_ptr,
+    max_num_logits_per_req,
+    num_logprob_cols,
+    num_src_cols,
+    BLOCK_SIZE,
+):
     # Local logits row start[i] + p goes to send row i * max + p: its ids (0 past num_src_cols) and rank after
     # num_logprob_cols columns; its logprobs (-inf past num_src_cols) in fp32.
     n, positions = grid[0], grid[1]
     if n <= 0 or positions <= 0:
         return
-    cu = flat(local_cu_num_logits_ptr)[:n + 1].astype(np.int64)
+    cu = flat(local_cu_num_logits_ptr)[: n + 1].astype(np.int64)
     counts = np.minimum(cu[1:] - cu[:-1], positions)
     i = np.repeat(np.arange(n), np.maximum(counts, 0))
     if i.size == 0:
@@ -139,17 +201,31 @@ def _pack_logprobs_kernel(grid, send_ids_ptr, send_ids_stride, send_logprobs_ptr
     flat(send_logprobs_ptr)[(dst * int(send_logprobs_stride))[:, None] + cols] = lps
 
 
-@native("vllm.v1.worker.gpu.sample.batch_shard", "_unpack_logprobs_kernel",
-        sha256="32a0c3f3fd04beed8bdb0fed647bb96248444aebb3ae9285b7514f0e4b4f8099")
-def _unpack_logprobs_kernel(grid, gathered_ids_ptr, gathered_ids_stride, gathered_logprobs_ptr,
-                            gathered_logprobs_stride, gathered_src_indices_ptr, cu_num_logits_ptr,
-                            logprob_token_ids_ptr, logprobs_ptr, selected_token_ranks_ptr, max_num_logits_per_req,
-                            num_logprob_cols, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.batch_shard",
+    "_unpack_logprobs_kernel",
+    sha256="32a0c3f3fd04beed8bdb0fed647bb96248444aebb3ae9285b7514f0e4b4f8099",
+)
+def _unpack_logprobs_kernel(
+    grid,
+    gathered_ids_ptr,
+    gathered_ids_stride,
+    gathered_logprobs_ptr,
+    gathered_logprobs_stride,
+    gathered_src_indices_ptr,
+    cu_num_logits_ptr,
+    logprob_token_ids_ptr,
+    logprobs_ptr,
+    selected_token_ranks_ptr,
+    max_num_logits_per_req,
+    num_logprob_cols,
+    BLOCK_SIZE,
+):
     # Request i's logits row cu[i] + p reads gathered row src[i] * max + p (ids, then the rank; logprobs).
     n, positions = grid[0], grid[1]
     if n <= 0 or positions <= 0:
         return
-    cu = flat(cu_num_logits_ptr)[:n + 1].astype(np.int64)
+    cu = flat(cu_num_logits_ptr)[: n + 1].astype(np.int64)
     counts = np.maximum(np.minimum(cu[1:] - cu[:-1], positions), 0)
     i = np.repeat(np.arange(n), counts)
     if i.size == 0:
@@ -164,4 +240,5 @@ def _unpack_logprobs_kernel(grid, gathered_ids_ptr, gathered_ids_stride, gathere
     flat(logprob_token_ids_ptr)[(dst * nc)[:, None] + cols] = g_ids[row[:, None] + cols]
     flat(selected_token_ranks_ptr)[dst] = g_ids[row + nc]
     flat(logprobs_ptr)[(dst * nc)[:, None] + cols] = flat(gathered_logprobs_ptr)[
-        (src * int(gathered_logprobs_stride))[:, None] + cols]
+        (src * int(gathered_logprobs_stride))[:, None] + cols
+    ]

@@ -65,6 +65,7 @@ def hash_prefix(seed: np.ndarray, pos: np.ndarray, domain: int = 0) -> np.ndarra
 # The [rows, vocab] passes below work in place (``out=``): a fresh multi-megabyte temporary per operation costs
 # more in page faults than the operation itself.
 
+
 def _rotl_(h: np.ndarray, tmp: np.ndarray, shift: int) -> None:
     np.left_shift(h, _U32(shift), out=tmp)
     np.right_shift(h, _U32(32 - shift), out=h)
@@ -157,10 +158,14 @@ def gumbel_noise(seed: np.ndarray, pos: np.ndarray, n: int, use_fp64: bool) -> n
 # Kernels
 
 
-@native("vllm.v1.worker.gpu.sample.gumbel", "_temperature_kernel",
-        sha256="47f8e146ba43476ad8d896a011a89f3e45bb82d9d14bdcf8497ce2190cf8ee22")
-def _temperature_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, temperature_ptr, vocab_size,
-                        BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.gumbel",
+    "_temperature_kernel",
+    sha256="47f8e146ba43476ad8d896a011a89f3e45bb82d9d14bdcf8497ce2190cf8ee22",
+)
+def _temperature_kernel(
+    grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, temperature_ptr, vocab_size, BLOCK_SIZE
+):
     # Rows whose temperature is neither 0 nor 1: logits / temperature in fp32, stored back in the logits' dtype.
     num_tokens = grid[0]
     cols = min(vocab_size, grid[1] * BLOCK_SIZE)
@@ -176,8 +181,18 @@ def _temperature_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_pt
     logits[rows] = (logits[rows].float() / temp[rows].unsqueeze(1)).to(logits.dtype)
 
 
-def _store_cache(cache: torch.Tensor, stride0: int, stride1: int, col_ptr, per_token_col: bool, req: torch.Tensor,
-                 valid: torch.Tensor, source: torch.Tensor, source_stride: int, cols: int) -> None:
+def _store_cache(
+    cache: torch.Tensor,
+    stride0: int,
+    stride1: int,
+    col_ptr,
+    per_token_col: bool,
+    req: torch.Tensor,
+    valid: torch.Tensor,
+    source: torch.Tensor,
+    source_stride: int,
+    cols: int,
+) -> None:
     # Token t's raw logits row (source[t, :cols], before temperature) goes to the cache's flat memory at
     # req[t] * stride0 + col * stride1 (the kernel's address arithmetic), for valid tokens only.
     rows = valid.nonzero().flatten()
@@ -193,21 +208,44 @@ def _store_cache(cache: torch.Tensor, stride0: int, stride1: int, col_ptr, per_t
     uniq, inv = torch.unique(base, return_inverse=True)
     if uniq.numel() < base.numel():
         keep = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce_(
-            0, inv, torch.arange(base.numel()), "amax")
+            0, inv, torch.arange(base.numel()), "amax"
+        )
         rows, base = rows[keep], base[keep]
     values = source.as_strided((num_tokens, cols), (source_stride, 1))[rows]
-    flat = cache.as_strided((cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset(),),
-                            (1,))
+    flat = cache.as_strided((cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset(),), (1,))
     flat[base.unsqueeze(1) + torch.arange(cols)] = values.to(cache.dtype)
 
 
-@native("vllm.v1.worker.gpu.sample.gumbel", "_gumbel_sample_kernel",
-        sha256="b94b2d5d245c6cc3280970233c7f6b0b88fba3fd16a9e01608fad0d13ac7fe68")
-def _gumbel_sample_kernel(grid, local_argmax_ptr, local_argmax_stride, local_max_ptr, local_max_stride,
-                          logits_cache_ptr, logits_cache_stride_0, logits_cache_stride_1, logits_cache_col_ptr,
-                          logits_cache_source_ptr, logits_cache_source_stride, logits_ptr, logits_stride,
-                          expanded_idx_mapping_ptr, seeds_ptr, pos_ptr, temp_ptr, vocab_size, BLOCK_SIZE,
-                          IS_DRAFTING, APPLY_TEMPERATURE, USE_FP64, PER_TOKEN_COL):
+@native(
+    "vllm.v1.worker.gpu.sample.gumbel",
+    "_gumbel_sample_kernel",
+    sha256="b94b2d5d245c6cc3280970233c7f6b0b88fba3fd16a9e01608fad0d13ac7fe68",
+)
+def _gumbel_sample_kernel(
+    grid,
+    local_argmax_ptr,
+    local_argmax_stride,
+    local_max_ptr,
+    local_max_stride,
+    logits_cache_ptr,
+    logits_cache_stride_0,
+    logits_cache_stride_1,
+    logits_cache_col_ptr,
+    logits_cache_source_ptr,
+    logits_cache_source_stride,
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    seeds_ptr,
+    pos_ptr,
+    temp_ptr,
+    vocab_size,
+    BLOCK_SIZE,
+    IS_DRAFTING,
+    APPLY_TEMPERATURE,
+    USE_FP64,
+    PER_TOKEN_COL,
+):
     # Per (token, vocab block): max and first argmax of the fp32 logits (divided by the temperature when
     # APPLY_TEMPERATURE) plus murmur3 Gumbel noise for temperature != 0 rows; raw logits copied to the cache.
     num_tokens, num_blocks = grid[0], grid[1]
@@ -220,8 +258,18 @@ def _gumbel_sample_kernel(grid, local_argmax_ptr, local_argmax_stride, local_max
     # Invalid rows read temperature 0 and seed 0 (masked loads): plain argmax, no cache store, no noise.
     temp = torch.where(valid, temp_ptr[req.clamp_min(0)].float(), 0.0)
     if logits_cache_ptr is not None:
-        _store_cache(logits_cache_ptr, int(logits_cache_stride_0), int(logits_cache_stride_1), logits_cache_col_ptr,
-                     PER_TOKEN_COL, req, valid, logits_cache_source_ptr, int(logits_cache_source_stride), cols)
+        _store_cache(
+            logits_cache_ptr,
+            int(logits_cache_stride_0),
+            int(logits_cache_stride_1),
+            logits_cache_col_ptr,
+            PER_TOKEN_COL,
+            req,
+            valid,
+            logits_cache_source_ptr,
+            int(logits_cache_source_stride),
+            cols,
+        )
 
     # A fresh fp32 buffer padded with -inf to whole blocks: the kernel's masked load, never the caller's logits.
     xt = torch.full((num_tokens, width), float("-inf"), dtype=torch.float32)

@@ -10,7 +10,7 @@ from mmcpu.kernels.dispatch import native
 
 def _rows(t: torch.Tensor, stride: int, ncols: int) -> torch.Tensor:
     """``t`` addressed as ``ptr + row * stride + col`` (col < ncols): a writable 2-D view."""
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=False))
     return t.as_strided(((span - ncols) // stride + 1, ncols), (stride, 1))
 
 
@@ -44,13 +44,35 @@ def _all_masked(rows: torch.Tensor, block: int) -> torch.Tensor:
     return masked & ~nan.view(n, chunks, block).all(dim=2).any(dim=1)
 
 
-@native("vllm.v1.worker.gpu.sample.logit_bias", "_bias_kernel",
-        sha256="d8897887756bb45c5ebd5a9f58742d1573da3437b1a3b72d403d9cdf5e4c4fff")
-def _bias_kernel(grid, logits_ptr, logits_stride, vocab_size, expanded_idx_mapping_ptr, num_allowed_token_ids_ptr,
-                 allowed_token_ids_ptr, allowed_token_ids_stride, num_logit_bias_ptr, bias_token_ids_ptr,
-                 bias_token_ids_stride, bias_ptr, bias_stride, pos_ptr, min_lens_ptr, num_stop_token_ids_ptr,
-                 restore_when_all_masked_ptr, stop_token_ids_ptr, stop_token_ids_stride, BLOCK_SIZE,
-                 LOGITS_BLOCK_SIZE, CHECK_ALL_MASKED_ROWS):
+@native(
+    "vllm.v1.worker.gpu.sample.logit_bias",
+    "_bias_kernel",
+    sha256="d8897887756bb45c5ebd5a9f58742d1573da3437b1a3b72d403d9cdf5e4c4fff",
+)
+def _bias_kernel(
+    grid,
+    logits_ptr,
+    logits_stride,
+    vocab_size,
+    expanded_idx_mapping_ptr,
+    num_allowed_token_ids_ptr,
+    allowed_token_ids_ptr,
+    allowed_token_ids_stride,
+    num_logit_bias_ptr,
+    bias_token_ids_ptr,
+    bias_token_ids_stride,
+    bias_ptr,
+    bias_stride,
+    pos_ptr,
+    min_lens_ptr,
+    num_stop_token_ids_ptr,
+    restore_when_all_masked_ptr,
+    stop_token_ids_ptr,
+    stop_token_ids_stride,
+    BLOCK_SIZE,
+    LOGITS_BLOCK_SIZE,
+    CHECK_ALL_MASKED_ROWS,
+):
     num_tokens = grid[0]
     req = expanded_idx_mapping_ptr[:num_tokens].long()
     logits = _rows(logits_ptr, logits_stride, vocab_size)

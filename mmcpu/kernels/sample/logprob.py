@@ -12,10 +12,23 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.untyped_storage().nbytes() // t.element_size() - t.storage_offset(),), (1,))
 
 
-@native("vllm.v1.worker.gpu.sample.logprob", "_topk_log_softmax_kernel",
-        sha256="535eb7c043dbb1dc96a94c7cc74d2fa6640d697909fa707ba69e7dffdd1251a5")
-def _topk_log_softmax_kernel(grid, output_ptr, logits_ptr, logits_stride, topk_ids_ptr, topk_ids_stride, topk,
-                             vocab_size, BLOCK_SIZE, TOPK_BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.logprob",
+    "_topk_log_softmax_kernel",
+    sha256="535eb7c043dbb1dc96a94c7cc74d2fa6640d697909fa707ba69e7dffdd1251a5",
+)
+def _topk_log_softmax_kernel(
+    grid,
+    output_ptr,
+    logits_ptr,
+    logits_stride,
+    topk_ids_ptr,
+    topk_ids_stride,
+    topk,
+    vocab_size,
+    BLOCK_SIZE,
+    TOPK_BLOCK_SIZE,
+):
     # Per row: logits[ids] - max - log(sum(exp(logits - max))), all in fp32; ids are [rows, topk] with row stride
     # topk_ids_stride, the output [rows, topk] contiguous.
     num_rows = grid[0]
@@ -32,8 +45,11 @@ def _topk_log_softmax_kernel(grid, output_ptr, logits_ptr, logits_stride, topk_i
     output_ptr.as_strided((num_rows, topk), (topk, 1)).copy_(picked - max_val - lse)
 
 
-@native("vllm.v1.worker.gpu.sample.logprob", "_ranks_kernel",
-        sha256="9bb31889efc6e89247fd251a05fa16bb7aa0c72eada787f4967ce088c1d7c56b")
+@native(
+    "vllm.v1.worker.gpu.sample.logprob",
+    "_ranks_kernel",
+    sha256="9bb31889efc6e89247fd251a05fa16bb7aa0c72eada787f4967ce088c1d7c56b",
+)
 def _ranks_kernel(grid, output_ptr, logits_ptr, logits_stride, token_ids_ptr, vocab_size, BLOCK_SIZE):
     # Per row: how many logits are >= the token's own logit (compared in the logits' dtype).
     num_rows = grid[0]
@@ -49,12 +65,27 @@ def _ranks_kernel(grid, output_ptr, logits_ptr, logits_stride, token_ids_ptr, vo
     _flat(output_ptr)[:num_rows].copy_(n)
 
 
-@native("vllm.v1.worker.gpu.sample.logprob", "_fill_logprob_token_ids_kernel",
-        sha256="a73ab01163401faa32fb65c370548e6c85313cfb779e81d6f1370b3b7396b961")
-def _fill_logprob_token_ids_kernel(grid, out_token_ids_ptr, out_token_ids_stride, out_valid_mask_ptr,
-                                   out_valid_mask_stride, sampled_token_ids_ptr, topk_indices_ptr,
-                                   topk_indices_stride, expanded_idx_mapping_ptr, num_per_req_token_ids_ptr,
-                                   per_req_token_ids_ptr, per_req_token_ids_stride, NUM_TOPK, PADDED_COLS):
+@native(
+    "vllm.v1.worker.gpu.sample.logprob",
+    "_fill_logprob_token_ids_kernel",
+    sha256="a73ab01163401faa32fb65c370548e6c85313cfb779e81d6f1370b3b7396b961",
+)
+def _fill_logprob_token_ids_kernel(
+    grid,
+    out_token_ids_ptr,
+    out_token_ids_stride,
+    out_valid_mask_ptr,
+    out_valid_mask_stride,
+    sampled_token_ids_ptr,
+    topk_indices_ptr,
+    topk_indices_stride,
+    expanded_idx_mapping_ptr,
+    num_per_req_token_ids_ptr,
+    per_req_token_ids_ptr,
+    per_req_token_ids_stride,
+    NUM_TOPK,
+    PADDED_COLS,
+):
     # Column 0: the sampled token (valid); columns 1..: the request's custom token ids if it has any, else top-k.
     num_rows = grid[0]
     if num_rows == 0:

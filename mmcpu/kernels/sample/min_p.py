@@ -7,8 +7,11 @@ import torch
 from mmcpu.kernels.dispatch import native
 
 
-@native("vllm.v1.worker.gpu.sample.min_p", "_min_p_kernel",
-        sha256="bd9d4defbc342db931a975ac0707f01e4d40cf3764173324f3aaa9a29547ae95")
+@native(
+    "vllm.v1.worker.gpu.sample.min_p",
+    "_min_p_kernel",
+    sha256="bd9d4defbc342db931a975ac0707f01e4d40cf3764173324f3aaa9a29547ae95",
+)
 def _min_p_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, min_p_ptr, vocab_size, BLOCK_SIZE):
     # One program per token row: drop logits below max + log(min_p) (in fp32), in place; min_p == 0 rows untouched.
     num_tokens = grid[0]

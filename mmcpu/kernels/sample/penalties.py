@@ -10,7 +10,7 @@ from mmcpu.kernels.dispatch import native
 
 def _span(t: torch.Tensor) -> int:
     """Elements from ``t``'s first element to its last one, as the kernel's pointer arithmetic sees them."""
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=False)) if t.numel() else 0
 
 
 def _rows(t: torch.Tensor, stride: int, ncols: int) -> torch.Tensor:
@@ -26,12 +26,28 @@ def _unpack_bits(packed: torch.Tensor, nbits: int) -> torch.Tensor:
     return bits.reshape(packed.shape[0], -1)[:, :nbits].bool()
 
 
-@native("vllm.v1.worker.gpu.sample.penalties", "_penalties_kernel",
-        sha256="dee31c4f7bfadbb7aa15a4ebc3ccec856518c857b14ccafc228dbf094f810ccf")
-def _penalties_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, token_ids_ptr,
-                      expanded_local_pos_ptr, repetition_penalty_ptr, frequency_penalty_ptr, presence_penalty_ptr,
-                      prompt_bin_mask_ptr, prompt_bin_mask_stride, output_bin_counts_ptr, output_bin_counts_stride,
-                      vocab_size, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.penalties",
+    "_penalties_kernel",
+    sha256="dee31c4f7bfadbb7aa15a4ebc3ccec856518c857b14ccafc228dbf094f810ccf",
+)
+def _penalties_kernel(
+    grid,
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    token_ids_ptr,
+    expanded_local_pos_ptr,
+    repetition_penalty_ptr,
+    frequency_penalty_ptr,
+    presence_penalty_ptr,
+    prompt_bin_mask_ptr,
+    prompt_bin_mask_stride,
+    output_bin_counts_ptr,
+    output_bin_counts_stride,
+    vocab_size,
+    BLOCK_SIZE,
+):
     num_tokens = grid[0]
     req = expanded_idx_mapping_ptr[:num_tokens].long()
     rep = repetition_penalty_ptr[req]
@@ -45,7 +61,9 @@ def _penalties_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr,
     logits_2d = _rows(logits_ptr, logits_stride, vocab_size)
     # index_select copies (then upcast, as the kernel's load): the caller's logits are only written at the end.
     logits = logits_2d.index_select(0, rows).float()
-    counts = _rows(output_bin_counts_ptr, output_bin_counts_stride, vocab_size).index_select(0, req)  # kernel: read only
+    counts = _rows(output_bin_counts_ptr, output_bin_counts_stride, vocab_size).index_select(
+        0, req
+    )  # kernel: read only
     pos = expanded_local_pos_ptr[rows].long()
     max_pos = int(pos.max())
     if max_pos > 0:
@@ -78,11 +96,24 @@ def _penalties_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr,
     logits_2d.index_copy_(0, rows, logits.to(logits_2d.dtype))
 
 
-@native("vllm.v1.worker.gpu.sample.penalties", "_bincount_kernel",
-        sha256="cfb1d5f04fd01d01bb7bb258cb6554d784253934ec51deb8e4013bd3434cd1e4")
-def _bincount_kernel(grid, expanded_idx_mapping_ptr, all_token_ids_ptr, all_token_ids_stride, prompt_len_ptr,
-                     prefill_len_ptr, prompt_bin_mask_ptr, prompt_bin_mask_stride, output_bin_counts_ptr,
-                     output_bin_counts_stride, BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.penalties",
+    "_bincount_kernel",
+    sha256="cfb1d5f04fd01d01bb7bb258cb6554d784253934ec51deb8e4013bd3434cd1e4",
+)
+def _bincount_kernel(
+    grid,
+    expanded_idx_mapping_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    prompt_len_ptr,
+    prefill_len_ptr,
+    prompt_bin_mask_ptr,
+    prompt_bin_mask_stride,
+    output_bin_counts_ptr,
+    output_bin_counts_stride,
+    BLOCK_SIZE,
+):
     num_tokens, num_blocks = grid[0], grid[1]
     req = expanded_idx_mapping_ptr[:num_tokens].long()
     prompt_len = prompt_len_ptr[req].long()[:, None]

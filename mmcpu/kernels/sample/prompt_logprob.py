@@ -12,11 +12,21 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.untyped_storage().nbytes() // t.element_size() - t.storage_offset(),), (1,))
 
 
-@native("vllm.v1.worker.gpu.sample.prompt_logprob", "_prompt_logprobs_token_ids_kernel",
-        sha256="2706dbdcfea541d3b659a8c9d05f4d183eeae1c386e34a2843034f8771bb6aff")
-def _prompt_logprobs_token_ids_kernel(grid, prompt_logprobs_token_ids_ptr, query_start_loc_ptr, idx_mapping_ptr,
-                                      num_computed_tokens_ptr, all_token_ids_ptr, all_token_ids_stride,
-                                      BLOCK_SIZE):
+@native(
+    "vllm.v1.worker.gpu.sample.prompt_logprob",
+    "_prompt_logprobs_token_ids_kernel",
+    sha256="2706dbdcfea541d3b659a8c9d05f4d183eeae1c386e34a2843034f8771bb6aff",
+)
+def _prompt_logprobs_token_ids_kernel(
+    grid,
+    prompt_logprobs_token_ids_ptr,
+    query_start_loc_ptr,
+    idx_mapping_ptr,
+    num_computed_tokens_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    BLOCK_SIZE,
+):
     # out[query_start + j] = all_token_ids[req, num_computed + 1 + j] for j < query_len, per request.
     num_reqs = grid[0]
     if num_reqs == 0:

@@ -19,13 +19,28 @@ def _matches_at(row: np.ndarray, marker: list[int], start: int) -> bool:
     return all(int(row[start + j]) == m for j, m in enumerate(marker))
 
 
-@native("vllm.v1.worker.gpu.sample.thinking_budget", "_update_committed_marker_cache_kernel",
-        sha256="875775ff6893b93dbd26a2f49d99e788aca8014061a1b5ea85152add91ff3a76")
-def _update_committed_marker_cache_kernel(grid, req_ids_ptr, thinking_token_budget_ptr, all_token_ids_ptr,
-                                          all_token_ids_stride, total_len_ptr, cached_last_start_ptr,
-                                          cached_last_end_ptr, cached_scan_pos_ptr, reasoning_start_token_ids_ptr,
-                                          natural_reasoning_end_token_ids_ptr, START_LEN, NATURAL_END_LEN, MAX_LEN,
-                                          BLOCK):
+@native(
+    "vllm.v1.worker.gpu.sample.thinking_budget",
+    "_update_committed_marker_cache_kernel",
+    sha256="875775ff6893b93dbd26a2f49d99e788aca8014061a1b5ea85152add91ff3a76",
+)
+def _update_committed_marker_cache_kernel(
+    grid,
+    req_ids_ptr,
+    thinking_token_budget_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    total_len_ptr,
+    cached_last_start_ptr,
+    cached_last_end_ptr,
+    cached_scan_pos_ptr,
+    reasoning_start_token_ids_ptr,
+    natural_reasoning_end_token_ids_ptr,
+    START_LEN,
+    NATURAL_END_LEN,
+    MAX_LEN,
+    BLOCK,
+):
     n = grid[0]
     if n <= 0:
         return
@@ -41,14 +56,13 @@ def _update_committed_marker_cache_kernel(grid, req_ids_ptr, thinking_token_budg
         last_start, last_end = int(c_start[r]), int(c_end[r])
         if scan > total:
             scan, last_start, last_end = 0, -1, -1
-        row = tokens[r * stride:r * stride + max(total, 0)]
+        row = tokens[r * stride : r * stride + max(total, 0)]
 
         def found(lo: int, hi: int) -> tuple[int, int]:
             # The last start / end marker beginning in [lo, hi) and ending by total (-1: none).
-            s = max((i for i in range(lo, hi) if i + START_LEN <= total and _matches_at(row, start_ids, i)),
-                    default=-1)
-            e = max((i for i in range(lo, hi) if i + NATURAL_END_LEN <= total and _matches_at(row, end_ids, i)),
-                    default=-1)
+            s = max((i for i in range(lo, hi) if i + START_LEN <= total and _matches_at(row, start_ids, i)), default=-1)  # noqa: B023
+            ends = (i for i in range(lo, hi) if i + NATURAL_END_LEN <= total and _matches_at(row, end_ids, i))  # noqa: B023
+            e = max(ends, default=-1)
             return s, e
 
         if scan == 0 and last_start < 0 and last_end < 0:
@@ -66,13 +80,31 @@ def _update_committed_marker_cache_kernel(grid, req_ids_ptr, thinking_token_budg
         c_scan[r] = max(total - (MAX_LEN - 1), 0)
 
 
-@native("vllm.v1.worker.gpu.sample.thinking_budget", "_thinking_budget_kernel",
-        sha256="2522a256cd32c407c046fefb309fc53355812605be43c45dd8bc77c67704ed98")
-def _thinking_budget_kernel(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, thinking_token_budget_ptr,
-                            all_token_ids_ptr, all_token_ids_stride, total_len_ptr, input_ids_ptr,
-                            expanded_local_pos_ptr, cached_last_start_ptr, cached_last_end_ptr,
-                            reasoning_start_token_ids_ptr, natural_reasoning_end_token_ids_ptr,
-                            reasoning_end_token_ids_ptr, START_LEN, NATURAL_END_LEN, END_LEN):
+@native(
+    "vllm.v1.worker.gpu.sample.thinking_budget",
+    "_thinking_budget_kernel",
+    sha256="2522a256cd32c407c046fefb309fc53355812605be43c45dd8bc77c67704ed98",
+)
+def _thinking_budget_kernel(
+    grid,
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    thinking_token_budget_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    total_len_ptr,
+    input_ids_ptr,
+    expanded_local_pos_ptr,
+    cached_last_start_ptr,
+    cached_last_end_ptr,
+    reasoning_start_token_ids_ptr,
+    natural_reasoning_end_token_ids_ptr,
+    reasoning_end_token_ids_ptr,
+    START_LEN,
+    NATURAL_END_LEN,
+    END_LEN,
+):
     n = grid[0]
     if n <= 0:
         return
@@ -93,11 +125,14 @@ def _thinking_budget_kernel(grid, logits_ptr, logits_stride, expanded_idx_mappin
 
         def token(pos: int) -> int:
             # Committed tokens, then this step's drafts: input_ids at local position 0 is the last committed one.
-            return int(tokens[r * stride + pos]) if pos < total else int(inputs[first + pos - total + 1])
+            return int(tokens[r * stride + pos]) if pos < total else int(inputs[first + pos - total + 1])  # noqa: B023
 
         def last(marker: list[int], lo: int, default: int) -> int:
-            hits = [i for i in range(max(lo, 0), effective - len(marker) + 1)
-                    if all(token(i + j) == m for j, m in enumerate(marker))]
+            hits = [
+                i
+                for i in range(max(lo, 0), effective - len(marker) + 1)  # noqa: B023
+                if all(token(i + j) == m for j, m in enumerate(marker))
+            ]
             return hits[-1] if hits else default
 
         last_start = last(start_ids, total - START_LEN + 1, int(c_start[r]))
