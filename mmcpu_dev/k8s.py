@@ -54,7 +54,8 @@ OVERLAYS_DIR = KUBE_DIR / "overlays"
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 MIN_KUSTOMIZE = (5, 0)  # components, `labels` with includeTemplates
 CHECKOV_REQUIREMENTS = KUBE_DIR / "checkov-requirements.txt"
-CHECKOV_VENV = REPO_ROOT / ".cache" / "checkov-venv"
+# resolved: a checkout whose .cache is a link to another builds the venv at its real path (its scripts' shebangs)
+CHECKOV_VENV = (REPO_ROOT / ".cache" / "checkov-venv").resolve()
 # checkov rules that do not fit, each with its reason (reviewed; everything else must pass).
 CHECKOV_SKIPS = {
     "CKV_K8S_43": "image digest: the base names the image the user builds (`make image`); its digest exists only "
@@ -1038,10 +1039,16 @@ def check_policy(objects: list[Obj], components_used: set[str] = frozenset()) ->
 # checkov (in its own venv, installed from the pinned CHECKOV_REQUIREMENTS on first use)
 
 
+def _runs(exe: Path) -> bool:
+    """The script's interpreter (its shebang) still exists: a venv moved or built elsewhere has a dead one."""
+    first = exe.read_bytes().split(b"\n", 1)[0]
+    return not first.startswith(b"#!/") or Path(first[2:].decode().split()[0]).exists()
+
+
 def checkov() -> Path:
     exe, stamp = CHECKOV_VENV / "bin" / "checkov", CHECKOV_VENV / "requirements.txt"
     wanted = CHECKOV_REQUIREMENTS.read_text()
-    if exe.is_file() and stamp.is_file() and stamp.read_text() == wanted:
+    if exe.is_file() and stamp.is_file() and stamp.read_text() == wanted and _runs(exe):
         return exe
     print(f"[mmcpu_dev.k8s] installing checkov into {CHECKOV_VENV} from {CHECKOV_REQUIREMENTS.name}", file=sys.stderr)
     base = getattr(sys, "_base_executable", sys.executable)  # a venv of the interpreter, not of our venv
