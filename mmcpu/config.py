@@ -355,6 +355,16 @@ class Settings(BaseSettings):
         "in seconds (one decode per session in flight at most); 0 = no interim decodes, the whole text comes at "
         "commit",
     )
+    realtime_final_after_ms: int = Field(
+        200,
+        ge=0,
+        le=2000,
+        description="with server_vad, a turn's final decode starts once its speech has been followed by "
+        "this much silence, and the turn's audio ends there; speech resuming before `silence_duration_ms` "
+        "cancels that decode and the turn goes on; at the commit its answer is the turn's (so `completed` comes "
+        "as soon as the pause is long enough, not a whole decode later). 0, or not less than "
+        "`silence_duration_ms`: the decode starts at the commit, over the whole pause",
+    )
     realtime_interims_per_engine: int = Field(
         4,
         ge=1,

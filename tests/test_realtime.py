@@ -28,7 +28,7 @@ from mmcpu.config import Settings, get_settings
 from mmcpu.gateway.app import create_app
 from mmcpu.realtime import protocol as p
 from mmcpu.realtime.audio import AudioError, Resampler, decode_pcm16, wav_bytes
-from mmcpu.realtime.turns import Commit, InputBuffer, Started, Stopped, StreamingVad
+from mmcpu.realtime.turns import Commit, InputBuffer, Pause, Resumed, Started, Stopped, StreamingVad
 from mmcpu_dev import speech
 from mmcpu_dev.payloads import pcm16_base64, realtime_beta_session, realtime_session
 from mmcpu_dev.servers import ServedApp
@@ -253,6 +253,44 @@ def test_server_vad_pause_is_seen_before_the_commit(talk):
     assert buf.speech and buf.pausing
     assert [type(ev) for ev in buf.append(audio[b0 + 3200 : a1 + (b1 - a1) // 2])] == [Stopped, Commit, Started]
     assert buf.speech and not buf.pausing
+
+
+def test_server_vad_pause_announces_the_turns_audio_before_the_commit(talk):
+    """With final_after_ms (200) under silence_duration_ms (500): 200 ms into each pause a Pause says where the
+    turn's audio ends, and the commit then takes exactly that audio (the samples buffered at the Pause), so a
+    decode started at the Pause is the turn's final."""
+    audio, spans = talk
+    buf = InputBuffer(vad.session(), p.SERVER_VAD, 30 * 16000, final_after_ms=200)
+    events = []
+    for chunk in random_chunks(audio, 3, 4000):
+        for ev in buf.append(chunk):
+            events.append((ev, buf.audio(ev.upto) if isinstance(ev, Pause) else None))
+    assert [type(ev) for ev, _ in events] == [Started, Pause, Stopped, Commit] * len(spans)
+    for i in range(len(spans)):
+        (started, _), (pause, at_pause), (stopped, _), (commit, _) = events[4 * i : 4 * i + 4]
+        np.testing.assert_array_equal(commit.audio, at_pause)
+        # the turn's audio: from its start to 200 ms after the speech stopped
+        assert commit.audio.size == (stopped.audio_end_ms - started.audio_start_ms + 200) * 16
+        assert pause.upto == (stopped.audio_end_ms + 200) * 16
+    # 0, or not under silence_duration_ms: no Pause, the whole pause in the turn (as before)
+    for final_after_ms in (0, 500, 800):
+        buf = InputBuffer(vad.session(), p.SERVER_VAD, 30 * 16000, final_after_ms=final_after_ms)
+        assert [type(ev) for ev in buf.append(audio)] == [Started, Stopped, Commit] * len(spans)
+
+
+def test_server_vad_speech_resuming_after_a_pause_withdraws_it(talk):
+    """A pause longer than final_after_ms but shorter than silence_duration_ms: Pause, then Resumed when the
+    speech goes on, one turn for both sentences, whose audio ends 200 ms into the final pause."""
+    audio, spans = talk
+    (a0, b0), (a1, b1) = spans[:2]
+    quiet = np.zeros(int(0.33 * 16000), dtype=np.int16)  # a pause over 200 ms, under 500
+    joined = np.concatenate([audio[:b0], quiet, audio[a1 : b1 + 16000]])
+    buf = InputBuffer(vad.session(), p.SERVER_VAD, 30 * 16000, final_after_ms=200)
+    events = [ev for chunk in random_chunks(joined, 4, 3000) for ev in buf.append(chunk)]
+    assert [type(ev) for ev in events] == [Started, Pause, Resumed, Pause, Stopped, Commit]
+    started, stopped, commit = events[0], events[4], events[5]
+    assert commit.audio.size == (stopped.audio_end_ms - started.audio_start_ms + 200) * 16
+    assert stopped.audio_end_ms * 16 > b0 + quiet.size  # the turn holds the second sentence
 
 
 def test_server_vad_turn_is_cut_at_the_longest_turn(talk):
@@ -606,6 +644,46 @@ def test_gone_client_leaves_no_engine_work(slow_engine, talk):
         assert time.monotonic() - t0 < 2 and state.abandoned - abandoned == 2
         assert wait_for(lambda: hub_of(served).total == 0)
         assert in_flight(served) == {"final": 0, "interim": 0}
+
+
+def test_server_vad_final_starts_in_the_pause_and_is_the_turns(engine, talk):
+    """Server VAD, no interim decodes: one engine request per turn, over exactly the turn's audio (its start to
+    200 ms after its speech stopped), sent before the turn is committed, and its answer is the turn's `completed`."""
+    state = engine.app.state
+    audio, spans = talk
+    with gateway(engine.url, realtime_interim_s=0) as served, connect(ws_url(served)) as ws:
+        send(ws, "session.update", session=realtime_session(MODEL, rate=16000))
+        events_until(ws, "session.updated")
+        before = len(state.requests)
+        a, b = spans[0]
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[: b + 4000]))  # 250 ms into the pause
+        assert wait_for(lambda: len(state.requests) == before + 1, timeout=3)  # the final, not yet committed
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[b + 4000 : spans[1][0]]))
+        events = events_until(ws, "conversation.item.input_audio_transcription.completed")
+        assert len(state.requests) == before + 1  # the commit sent nothing more
+        started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
+        stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+        samples = (stopped["audio_end_ms"] + 200 - started["audio_start_ms"]) * 16
+        assert state.requests[-1][1] == samples
+        assert events[-1]["usage"]["seconds"] == round(samples / 16000, 3)
+
+
+def test_server_vad_speech_resuming_cancels_the_early_final(slow_engine, talk):
+    """Speech that resumes after a short pause (over 200 ms, under silence_duration_ms): the final decode started
+    in the pause is abandoned at the engine, and the turn goes on."""
+    state = slow_engine.app.state
+    abandoned = state.abandoned
+    audio, spans = talk
+    (a0, b0), (a1, b1) = spans[:2]
+    with gateway(slow_engine.url, realtime_interim_s=0) as served, connect(ws_url(served)) as ws:
+        send(ws, "session.update", session=realtime_session(MODEL, rate=16000))
+        events_until(ws, "session.updated")
+        quiet = np.zeros(int(0.33 * 16000), dtype=np.int16)
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(np.concatenate([audio[:b0], quiet])))
+        assert wait_for(lambda: state.active == 1, timeout=3)  # the early final, at the engine
+        send(ws, "input_audio_buffer.append", audio=pcm16_base64(audio[a1 : (a1 + b1) // 2]))
+        assert wait_for(lambda: state.active == 0 and state.abandoned - abandoned == 1, timeout=3)
+        assert in_flight(served)["final"] == 0
 
 
 def test_interim_decodes_share_the_engine_slots(slow_engine, talk):

@@ -112,6 +112,23 @@ def test_final_text_equals_the_http_transcription(gateway, whisper_engine, talk)
         assert ev["usage"] == {"type": "duration", "seconds": http.usage.seconds}
 
 
+def test_server_vad_final_text_equals_the_http_transcription(gateway, whisper_engine, talk):
+    """Server VAD, 16 kHz, as fast as it goes: each turn's final decode starts in its pause
+    (MMCPU_REALTIME_FINAL_AFTER_MS, 200 ms), over the turn's audio from its start to 200 ms after its speech
+    stopped; `completed` is exactly what POST /v1/audio/transcriptions answers for those samples."""
+    audio, spans = talk["audio"], talk["spans"]
+    end = spans[3][1] + 16000  # four sentences and a pause
+    run = asyncio.run(realtime.stream(gateway.url, whisper_engine.name, audio[:end], pace=0))
+    check_turns(run, 4)
+    starts = [e["audio_start_ms"] for e in run.of_type("input_audio_buffer.speech_started")]
+    stops = [e["audio_end_ms"] for e in run.of_type("input_audio_buffer.speech_stopped")]
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    for start_ms, stop_ms, item in zip(starts, stops, run.completed, strict=True):
+        turn = audio[start_ms * 16 : (stop_ms + get_settings().realtime_final_after_ms) * 16]
+        http = client.audio.transcriptions.create(**transcription_kwargs(wav_bytes(turn), model=whisper_engine.name))
+        assert item.transcript == http.text
+
+
 def test_ga_sdk_real_time_with_server_vad(gateway, whisper_engine, talk):
     """The GA client streams ~50 s of 24 kHz speech at real-time pace: one turn per sentence, found by the VAD, each
     with append-only deltas, the text within the suite's WER limit."""

@@ -4,7 +4,9 @@ Tasks of a session, all ended with it (disconnect, idle timeout, a client that s
 - the reader: client events, in order; audio goes through the resampler and the VAD
   into the input buffer, whose commits queue turns (it never waits for the engine: see ``BACKLOG_S``);
 - the writer: server events out, each send bounded by ``realtime_send_timeout_s``;
-- the transcriber: committed turns in commit order, one engine request at a time, then ``completed``;
+- the transcriber: committed turns in commit order, one engine request at a time, then ``completed``; with
+  server_vad a turn's final decode may have started already, in the pause before its commit
+  (``realtime_final_after_ms``: the turn's audio ends there; speech resuming cancels it);
 - the interim loop: every ``realtime_interim_s`` a decode of the open turn so far (one in flight at most, none
   while a committed turn of any session of the engine waits: finals first; none in a pause, which may end the
   turn: an interim decode still at the engine when the turn ends competes with its final), turned into
@@ -33,8 +35,8 @@ from mmcpu.config import Settings
 from mmcpu.gateway.upstream import Upstreams
 from mmcpu.realtime import protocol as p
 from mmcpu.realtime.audio import ENGINE_RATE, AudioError, Resampler, decode_pcm16
-from mmcpu.realtime.engine import EngineError, engine_for, transcribe
-from mmcpu.realtime.turns import Commit, InputBuffer, Started, Stopped
+from mmcpu.realtime.engine import EngineError, Transcript, engine_for, transcribe
+from mmcpu.realtime.turns import Commit, InputBuffer, Pause, Resumed, Started, Stopped
 
 log = logging.getLogger("mmcpu.realtime")
 
@@ -120,6 +122,7 @@ class Turn:
     config: p.Config
     emitted: p.Emitted
     engine: str  # the engine counted in Hub.finals while the turn waits ('' = no model)
+    early: asyncio.Task[Transcript] | None = None  # its final decode, started in the pause before the commit
 
 
 Receive = Callable[[], Awaitable[str | bytes | None]]  # None: the client is gone
@@ -149,7 +152,9 @@ class Session:
         self.engine: str | None = None
         self.initial_model = model
         self.resampler = Resampler(self.config.rate)
-        self.buffer = InputBuffer(vad.session(), self.config.turn_detection, self._max_samples())
+        self.buffer = InputBuffer(
+            vad.session(), self.config.turn_detection, self._max_samples(), self.settings.realtime_final_after_ms
+        )
         self.item_id: str | None = None  # the open turn's item
         self.previous_item_id: str | None = None
         self.emitted = p.Emitted()
@@ -163,6 +168,7 @@ class Session:
         self.turn_opened = 0.0  # monotonic time the open turn began (first interim is due interim_s after)
         self.last_interim = 0.0
         self.interim_samples = 0  # the open turn's length at its last interim decode
+        self.early: tuple[int, asyncio.Task[Transcript]] | None = None  # (samples, decode) started in a pause
 
     def _max_samples(self) -> int:
         return int(self.settings.realtime_buffer_s * ENGINE_RATE)
@@ -209,6 +215,7 @@ class Session:
                     async with asyncio.timeout(self.settings.realtime_send_timeout_s):
                         await asyncio.shield(writer)
         finally:
+            self._drop_early()
             for each in (reader, writer, *tasks, self.interim):
                 if each is not None:
                     each.cancel()
@@ -216,7 +223,10 @@ class Session:
                 reader, writer, *tasks, *([self.interim] if self.interim else []), return_exceptions=True
             )
             while not self.turns.empty():  # turns never sent: no longer ahead of anyone's interim decodes
-                self.hub.finals[self.turns.get_nowait().engine] -= 1
+                turn = self.turns.get_nowait()
+                self.hub.finals[turn.engine] -= 1
+                if turn.early is not None:
+                    turn.early.cancel()
             self.hub.close(self.engine)
 
     async def _reader(self) -> None:
@@ -350,6 +360,10 @@ class Session:
                 self.emit(
                     "input_audio_buffer.speech_started", item_id=self.item_id, audio_start_ms=change.audio_start_ms
                 )
+            elif isinstance(change, Pause):
+                self._start_early(change.upto)
+            elif isinstance(change, Resumed):
+                self._drop_early()
             elif isinstance(change, Stopped):
                 self.emit("input_audio_buffer.speech_stopped", item_id=self.item_id, audio_end_ms=change.audio_end_ms)
             elif isinstance(change, Commit):
@@ -368,12 +382,44 @@ class Session:
         await self._commit(self.buffer.take())
 
     async def _clear(self, ev: dict[str, Any]) -> None:
+        self._drop_early()
         self.buffer.clear()
         self._close_turn()
         self.emit("input_audio_buffer.cleared")
 
     # --- turns -----------------------------------------------------------------------------------------------
+    def _start_early(self, upto: int) -> None:
+        """The open turn pauses: its final decode starts now, over the audio the commit will take if the pause
+        lasts (the same samples, so the same request and answer as a decode started at the commit)."""
+        self._drop_early()
+        config = self.config
+        if config.model is None or self.item_id is None:
+            return
+        audio = self.buffer.audio(upto)
+        if audio.size < MIN_COMMIT_S * ENGINE_RATE:
+            return
+        if self.interim is not None:
+            self.interim.cancel()  # the final decodes it all
+        task = asyncio.create_task(self._decode("final", audio, config), name=f"{self.id} final (early)")
+        # Read its outcome even when the speech resumes and nobody awaits it (no "never retrieved" warning).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self.early = (audio.size, task)
+
+    def _drop_early(self) -> None:
+        if self.early is not None:
+            self.early[1].cancel()  # its engine request is aborted with it
+            self.early = None
+
+    async def _decode(self, kind: str, audio: np.ndarray, config: p.Config) -> Transcript:
+        assert config.model is not None
+        self.hub.requests.labels(kind).inc()
+        try:
+            return await transcribe(self.upstreams, config.model, audio, language=config.language, prompt=config.prompt)
+        finally:
+            self.hub.requests.labels(kind).dec()
+
     def _open_turn(self) -> None:
+        self._drop_early()
         self._close_turn()
         self.item_id = p.new_id("item")
         self.emitted = p.Emitted()
@@ -387,6 +433,10 @@ class Session:
         self.item_id = None
 
     async def _commit(self, audio: np.ndarray) -> None:
+        early, self.early = self.early, None
+        if early is not None and (early[0] != audio.size or early[1].done() and early[1].cancelled()):
+            early[1].cancel()  # another cut (the longest turn): not this turn's decode
+            early = None
         item_id, emitted = self.item_id or p.new_id("item"), self.emitted
         self._close_turn()
         self.emit("input_audio_buffer.committed", item_id=item_id, previous_item_id=self.previous_item_id)
@@ -408,7 +458,9 @@ class Session:
             )
             raise Closed("the engine fell too far behind")
         self.hub.finals[self.engine or ""] += 1  # counted as queued: other sessions' interim decodes wait for it
-        self.turns.put_nowait(Turn(item_id, audio, self.config, emitted, self.engine or ""))
+        self.turns.put_nowait(
+            Turn(item_id, audio, self.config, emitted, self.engine or "", early[1] if early is not None else None)
+        )
 
     async def _transcriber(self) -> None:
         while True:
@@ -424,18 +476,18 @@ class Session:
 
     async def _final(self, turn: Turn) -> None:
         config = turn.config
-        self.hub.requests.labels("final").inc()
         try:
-            if config.model is None:
+            if turn.early is not None:
+                result = await turn.early
+            elif config.model is None:
                 raise EngineError(
                     "No transcription model: set session.audio.input.transcription.model",
                     type="invalid_request_error",
                     code="model_required",
                     param="session.audio.input.transcription.model",
                 )
-            result = await transcribe(
-                self.upstreams, config.model, turn.audio, language=config.language, prompt=config.prompt
-            )
+            else:
+                result = await self._decode("final", turn.audio, config)
         except EngineError as exc:
             self.hub.turns.labels("failed").inc()
             self.emit(
@@ -445,8 +497,6 @@ class Session:
                 error=exc.fields(),
             )
             return
-        finally:
-            self.hub.requests.labels("final").dec()
         self.hub.turns.labels("completed").inc()
         # The rest of the final text as one more delta when it continues what the deltas carried; else the deltas
         # stop here and `completed` carries the text that counts (docs/realtime.md).
@@ -499,17 +549,11 @@ class Session:
                 self.interim = None
 
     async def _interim(self, item_id: str, audio: np.ndarray, config: p.Config) -> None:
-        self.hub.requests.labels("interim").inc()
-        assert config.model is not None  # _interims starts a decode only once the session names a model
         try:
-            result = await transcribe(
-                self.upstreams, config.model, audio, language=config.language, prompt=config.prompt
-            )
+            result = await self._decode("interim", audio, config)  # a model is named: _interims checked it
         except EngineError as exc:
             log.info("realtime session %s: interim decode failed: %s", self.id, exc.message)
             return
-        finally:
-            self.hub.requests.labels("interim").dec()
         if item_id == self.item_id and (delta := self.emitted.extend(result.text, hold_last=True)):
             self.emit(
                 "conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0, delta=delta

@@ -7,9 +7,12 @@ a whole clip), so each frame is judged once, as the audio comes.
 With ``server_vad`` (:class:`mmcpu.vad.Options`: ``threshold``, ``pad_ms`` = ``prefix_padding_ms``,
 ``min_silence_ms`` = ``silence_duration_ms``) a turn starts at the first frame at or above the threshold, with
 ``prefix_padding_ms`` of the audio before it; it ends once the frames stay below ``threshold - 0.15`` for
-``silence_duration_ms`` (the same hysteresis as the HTTP API's VAD), and is committed with that silence. Between
-turns only the padding is kept. Without VAD the client commits; the buffer then keeps everything. Either way a
-turn that reaches the longest turn (``max_samples``) is committed there.
+``silence_duration_ms`` (the same hysteresis as the HTTP API's VAD), and is committed with that silence, or with
+only its first ``final_after_ms`` when that is shorter: then, once the silence is that long, a :class:`Pause`
+says where the turn's audio would end, so its final decode can start before the turn is committed (a
+:class:`Resumed` withdraws it when the speech goes on). Between turns only the padding is kept. Without VAD the
+client commits; the buffer then keeps everything. Either way a turn that reaches the longest turn (``max_samples``)
+is committed there.
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ class Stopped:
 
 
 @dataclass(frozen=True)
+class Pause:
+    upto: int  # session sample index: the turn's audio ends here if the pause goes on until the commit
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The speech went on after a :class:`Pause`: the turn continues."""
+
+
+@dataclass(frozen=True)
 class Commit:
     audio: np.ndarray  # int16 at 16 kHz
     reason: str  # "vad" (a pause), "full" (the longest turn)
@@ -73,9 +86,9 @@ class Commit:
 
 class InputBuffer:
     """The session's uncommitted audio. :meth:`append` returns what happened in order (:class:`Started`,
-    :class:`Stopped`, :class:`Commit`); :meth:`take` commits by hand."""
+    :class:`Pause`, :class:`Resumed`, :class:`Stopped`, :class:`Commit`); :meth:`take` commits by hand."""
 
-    def __init__(self, sess, options: vad.Options | None, max_samples: int) -> None:
+    def __init__(self, sess, options: vad.Options | None, max_samples: int, final_after_ms: int = 0) -> None:
         self.vad = StreamingVad(sess)
         self.max_samples = max_samples
         self._data = np.empty(max_samples + RATE, dtype=np.int16)
@@ -84,12 +97,22 @@ class InputBuffer:
         self.total = 0  # samples appended in the session
         self.speech = False  # a frame of the buffered audio was speech (server_vad: a turn is open)
         self._silence_from: int | None = None
+        self._paused = False  # a Pause was reported for the current silence
+        self.final_after_ms = final_after_ms
         self.set_options(options)
 
     def set_options(self, options: vad.Options | None) -> None:
         self.options = options
         self.speech = False
         self._silence_from = None
+        self._paused = False
+
+    def _tail(self) -> int | None:
+        """Samples of silence a VAD turn keeps (and after which its :class:`Pause` comes); None: the whole pause."""
+        opts = self.options
+        if opts is None or not 0 < self.final_after_ms < opts.min_silence_ms:
+            return None
+        return RATE * self.final_after_ms // 1000
 
     @property
     def pausing(self) -> bool:
@@ -100,14 +123,17 @@ class InputBuffer:
     def samples(self) -> int:
         return self._len
 
-    def audio(self) -> np.ndarray:
-        return self._data[: self._len].copy()
+    def audio(self, upto: int | None = None) -> np.ndarray:
+        """A copy of the buffered audio, up to session sample ``upto`` (default: all of it)."""
+        cut = self._len if upto is None else max(0, min(upto - self.start, self._len))
+        return self._data[:cut].copy()
 
     def clear(self) -> None:
         self.start += self._len
         self._len = 0
         self.speech = False
         self._silence_from = None
+        self._paused = False
 
     def take(self, upto: int | None = None) -> np.ndarray:
         """Remove and return the buffered audio up to session sample ``upto`` (default: all of it)."""
@@ -116,6 +142,7 @@ class InputBuffer:
         self._drop(cut)
         self.speech = False
         self._silence_from = None
+        self._paused = False
         return audio
 
     def _drop(self, n: int) -> None:
@@ -148,6 +175,7 @@ class InputBuffer:
         self.total += samples.size
         probs = self.vad.feed(samples)
         opts = self.options
+        tail = self._tail()
         for i, p in enumerate(probs):
             pos = frame0 + i * FRAME  # the frame's first sample
             end = pos + FRAME
@@ -163,13 +191,19 @@ class InputBuffer:
                     events.append(Started(ms(turn_start)))
                 continue
             if p >= opts.threshold:
+                if self._paused:
+                    events.append(Resumed())
                 self._silence_from = None
+                self._paused = False
             elif p < opts.neg_threshold and self._silence_from is None:
                 self._silence_from = pos
             silent_from = self._silence_from
+            if silent_from is not None and tail is not None and not self._paused and end - silent_from >= tail:
+                self._paused = True
+                events.append(Pause(silent_from + tail))
             if silent_from is not None and end - silent_from >= RATE * opts.min_silence_ms / 1000:
                 events.append(Stopped(ms(silent_from)))
-                events.append(Commit(self.take(end), "vad"))
+                events.append(Commit(self.take(end if tail is None else silent_from + tail), "vad"))
             elif end - self.start >= self.max_samples:  # cut at the longest turn exactly (Whisper's window)
                 cut = self.start + self.max_samples
                 events.append(Stopped(ms(cut)))
