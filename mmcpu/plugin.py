@@ -12,7 +12,8 @@ registers :class:`mmcpu.media.connector.PolicyMediaConnector` in its ``MEDIA_CON
 be imported - only a process that builds a CPU worker imports it: the EngineCore with the uniproc executor, the
 worker with ``mp``; never the API server. Then, whatever the runner, it adds one method to ``CPUWorker``,
 :data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention pass of Whisper's word timestamps, which the API server
-calls with ``collective_rpc`` (patches/0022). With
+calls with ``collective_rpc`` (patches/0022). Whisper's feature extractor, wherever it is imported, computes its
+log-mel frames only up to the clip's end (:mod:`mmcpu.features`: the same features, bit for bit). With
 ``TRITON_INTERPRET=1`` (without it there is no interpreter to replace) it also wraps three methods of
 ``CPUWorker``:
 
@@ -45,6 +46,8 @@ logger = logging.getLogger("vllm.mmcpu.plugin")
 WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 # Where vLLM's media connectors live: only a process that renders chats imports it (the API server).
 CONNECTOR_MODULE = "vllm.multimodal.media.connector"
+# transformers' Whisper feature extractor: the API server's multimodal processor and mmcpu.whisper_align use it.
+WHISPER_FEATURES_MODULE = "transformers.models.whisper.feature_extraction_whisper"
 HOOKED_METHODS = ("init_device", "compile_or_warm_up_model", "shutdown")
 
 
@@ -52,9 +55,17 @@ def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (see the module docstring)."""
     after_import(CONNECTOR_MODULE, add_media_connector)
     after_import(WORKER_MODULE, add_word_alignment)
+    after_import(WHISPER_FEATURES_MODULE, trim_whisper_features)
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     after_import(WORKER_MODULE, hook_cpu_worker)
+
+
+def trim_whisper_features(module: ModuleType) -> None:
+    """Whisper's log-mel features computed up to the clip's end, not over all 30 s (:mod:`mmcpu.features`)."""
+    from mmcpu import features
+
+    features.install(module)
 
 
 def add_media_connector(module: ModuleType) -> None:
