@@ -3,6 +3,7 @@ an EngineCore's py-spy samples, and the stand-in compiler that proves a warm com
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 from mmcpu import launch
@@ -31,11 +32,13 @@ def test_stack_share_of_nothing() -> None:
     assert stack_share("") == {"encoder": 0.0, "forward": 0.0, "host": 0.0, "samples": 0.0}
 
 
-def test_fake_compiler_fails_logs_and_passes_preflight(tmp_path) -> None:
-    cxx, log = fake_compiler(tmp_path)
-    # The launcher's check finds it (so a compiled engine is let through to start) ...
-    assert launch.cxx_compiler({"CXX": str(cxx)}) == str(cxx)
+def test_fake_compiler_fails_logs_and_passes_preflight(tmp_path, monkeypatch) -> None:
+    bin_dir, log = fake_compiler(tmp_path)
+    path = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+    # The launcher's check finds "g++" on that PATH (so a compiled engine is let through to start) ...
+    monkeypatch.setenv("PATH", path)
+    assert launch.cxx_compiler({}) == str(bin_dir / "g++")
     # ... but any build inductor attempts with it fails, and is recorded.
-    done = subprocess.run([str(cxx), "-O3", "k.cpp", "-o", "k.so"], capture_output=True)
+    done = subprocess.run(["g++", "-O3", "k.cpp", "-o", "k.so"], capture_output=True, env={**os.environ, "PATH": path})
     assert done.returncode != 0
     assert log.read_text().split()[1:] == ["-O3", "k.cpp", "-o", "k.so"]

@@ -40,15 +40,23 @@ FAKE_CXX = """#!/bin/sh
 echo "$0 $*" >> "{log}"
 exit 1
 """
+# The names inductor (and anything it runs) could reach for a C++ compiler through PATH.
+COMPILER_NAMES = ("g++", "c++", "gcc", "cc", "clang++", "clang")
 
 
 def fake_compiler(where: Path) -> tuple[Path, Path]:
-    """A $CXX that fails and logs each call: a warm start that needs no compiler never calls it."""
+    """A folder to put first on PATH whose compilers all fail and log each call: inductor still finds "g++" by
+    name (its config, and so vLLM's cache key, is unchanged), the launcher's preflight lets the engine start, and a
+    warm start that needs no compiler never calls it. (Pointing $CXX elsewhere instead changes inductor's config
+    and so the cache key: a guaranteed miss.)"""
     log = where / "cxx-calls.log"
-    script = where / "no-cxx"
-    script.write_text(FAKE_CXX.format(log=log))
-    script.chmod(0o755)
-    return script, log
+    bin_dir = where / "no-compiler"
+    bin_dir.mkdir(exist_ok=True)
+    for name in COMPILER_NAMES:
+        script = bin_dir / name
+        script.write_text(FAKE_CXX.format(log=log))
+        script.chmod(0o755)
+    return bin_dir, log
 
 
 def engine(tag: str, out: Path, env: dict[str, str]):
@@ -151,23 +159,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pyspy", action="store_true", help="py-spy on each EngineCore during the c=1 requests")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "compile-eval")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--vllm-aot", choices=("0", "1"), default="0", help="VLLM_USE_AOT_COMPILE for the compiled engine")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = get_settings()
     clips = inputs.clips(plans.workload()[: args.clips], settings.cache_dir / "bench" / "clips")
-    res: dict = {"cpu": cpu.current().line(), "clips": [c.seconds for c in clips]}
+    res: dict = {"cpu": cpu.current().line(), "clips": [c.seconds for c in clips], "vllm_aot": args.vllm_aot}
     print("CPU:", res["cpu"], flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="compile-eval-", dir=args.out))
     caches = {"VLLM_CACHE_ROOT": str(tmp / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
-    compiled_env = {"MMCPU_COMPILE": "1", **caches}
+    # VLLM_USE_AOT_COMPILE=1 (vLLM's default on torch >= 2.12) saves an artifact that vLLM 0.32 cannot load back on
+    # torch 2.13 ("'function' object has no attribute 'finalize_loading'") and so compiles again at every start.
+    compiled_env = {"MMCPU_COMPILE": "1", "VLLM_USE_AOT_COMPILE": args.vllm_aot, **caches}
     cold = engine("compiled-cold", args.out, compiled_env)
     try:
         res["start_compiled_cold_s"] = round(started(cold), 1)
     finally:
         cold.stop()
     print("compiled cold start", res["start_compiled_cold_s"], flush=True)
-    cxx, cxx_log = fake_compiler(tmp)
-    warm = engine("compiled-warm", args.out, {**compiled_env, "CXX": str(cxx)})
+    no_cxx, cxx_log = fake_compiler(tmp)
+    hidden = {**compiled_env, "PATH": os.pathsep.join([str(no_cxx), os.environ.get("PATH", "")])}
+    warm = engine("compiled-warm", args.out, hidden)
     eager = engine("eager", args.out, {})
     try:
         try:
