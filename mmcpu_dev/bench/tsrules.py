@@ -12,7 +12,13 @@ rounds). Both print a JSON record; ``--json PATH`` writes it too.
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +30,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsProcRequestState,
 )
 
-from mmcpu.whisper_timestamps import FIELDS, KEY, NUM_TIMESTAMPS
+from mmcpu.whisper_timestamps import FIELDS, KEY, NUM_TIMESTAMPS, WhisperTimestamps, request_args
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -158,3 +164,174 @@ class PerRuleReference(LogitsProcessor):
                     nxt[i] = f[k]
         left = nxt >= 0
         return rows & (((v < eot) & (v != nxt)) | (left & (v == eot)))
+
+
+# --- the processor alone -------------------------------------------------------------------------------------
+def mid_decode(rows: int, forced: bool, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """``rows`` tiny.en histories mid-window: the prompt, then ~60 generated tokens of text between timestamp pairs,
+    ending in text (the common step: text, a timestamp or the end may come); with ``forced``, that text forced."""
+    from vllm.sampling_params import SamplingParams
+
+    ids = TINY_EN
+    rng = np.random.default_rng(seed)
+    prompt = [50257, 50362 - 4, 50362 - 3]  # start-of-transcript, language, task: any non-text ids do
+    histories, params = [], []
+    for _ in range(rows):
+        gen, text, t = [], [], 0
+        while len(gen) < 60:
+            gen.append(ids["timestamp_begin"] + t)
+            words = rng.integers(0, ids["eot"], size=int(rng.integers(3, 12))).tolist()
+            gen += words
+            text += words
+            t += int(rng.integers(20, 150))
+            gen.append(ids["timestamp_begin"] + t)
+        gen += rng.integers(0, ids["eot"], size=3).tolist()
+        text += gen[-3:] + rng.integers(0, ids["eot"], size=5).tolist()
+        histories.append(prompt + gen)
+        params.append(
+            SamplingParams(
+                extra_args=request_args(
+                    ids["timestamp_begin"], ids["eot"], ids["no_timestamps"], text=text if forced else None
+                )
+            )
+        )
+    return histories, params
+
+
+def micro(rows_list: Sequence[int] = (1, 8), calls: int = 300) -> list[dict[str, Any]]:
+    """Median microseconds per ``apply`` of the batched processor and of the per-rule reference."""
+    out = []
+    for rows in rows_list:
+        for forced in (False, True):
+            histories, params = mid_decode(rows, forced)
+            states, ctx = batch(histories, [3] * rows)
+            logits = torch.randn((rows, TINY_EN["vocab"]), generator=torch.Generator().manual_seed(rows)) * 3
+            rec: dict[str, Any] = {"rows": rows, "forced_text": forced}
+            for name, cls in (("batched", WhisperTimestamps), ("per_rule", PerRuleReference)):
+                proc = cls(None, states)
+                for s, p in enumerate(params):
+                    proc.add_request(s, p)
+                times = []
+                for i in range(calls + 10):
+                    x = logits.clone()
+                    t0 = time.perf_counter()
+                    proc.apply(x, ctx)
+                    if i >= 10:  # warm-up calls left out
+                        times.append(time.perf_counter() - t0)
+                rec[f"{name}_us"] = round(1e6 * statistics.median(times), 1)
+            rec["speedup"] = round(rec["per_rule_us"] / rec["batched_us"], 1)
+            out.append(rec)
+    return out
+
+
+# --- a real engine ------------------------------------------------------------------------------------------
+def engine(c: int, rounds: int, out_dir: Path, processor_from: str | None = None) -> dict[str, Any]:
+    """``c`` concurrent transcriptions of one ~20 s clip (one window), json then verbose_json, ``rounds`` times
+    alternating; per format: vLLM's inter-token latency (mean decode step), generated tokens, wall time.
+    ``processor_from``: a git revision whose mmcpu/whisper_timestamps.py the engine loads instead (the rest of the
+    package as checked out), to measure an earlier processor on the same engine setup."""
+    import shutil
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmcpu.config import REPO_ROOT, get_settings
+    from mmcpu_dev import timestamps
+    from mmcpu_dev.bench.c1profile import mean_of, scrape
+    from mmcpu_dev.servers import Engine
+
+    settings = get_settings()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clip, seconds = timestamps.clip("tsrules-s6", 6, 160, out_dir)
+    overlay = None
+    if processor_from:
+        overlay = out_dir / "overlay"
+        shutil.rmtree(overlay, ignore_errors=True)
+        shutil.copytree(REPO_ROOT / "mmcpu", overlay / "mmcpu")
+        old = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "show", f"{processor_from}:mmcpu/whisper_timestamps.py"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        (overlay / "mmcpu" / "whisper_timestamps.py").write_text(old)
+    eng = Engine(
+        settings.models_dir / "whisper-tiny.en",
+        out_dir / f"tsrules-engine{'-' + processor_from if processor_from else ''}.log",
+        pythonpath=overlay,
+        env={"MMCPU_MM_CACHE_GIB": "0.5"},
+    )
+    res: dict[str, Any] = {"c": c, "rounds": rounds, "clip_s": round(seconds, 1), "processor_from": processor_from}
+    fmts = ("json", "verbose_json")
+    try:
+        eng.start()
+
+        def one(fmt: str) -> object:
+            return timestamps.transcribe(eng.base_url, eng.name, clip, fmt)
+
+        with ThreadPoolExecutor(c) as pool:
+            for fmt in fmts:  # warm-up
+                list(pool.map(one, [fmt] * c))
+            acc = {f: {"itl": [], "tokens": 0.0, "wall": []} for f in fmts}
+            for _ in range(rounds):
+                for fmt in fmts:
+                    before = scrape(eng.base_url)
+                    t0 = time.perf_counter()
+                    list(pool.map(one, [fmt] * c))
+                    acc[fmt]["wall"].append(time.perf_counter() - t0)
+                    after = scrape(eng.base_url)
+                    acc[fmt]["itl"].append(mean_of(before, after, "inter_token_latency_seconds"))
+                    acc[fmt]["tokens"] += (
+                        after["request_generation_tokens_sum"] - before["request_generation_tokens_sum"]
+                    )
+        for fmt in fmts:
+            a = acc[fmt]
+            res[fmt] = {
+                "step_ms": round(1e3 * statistics.median(a["itl"]), 3),
+                "step_ms_rounds": [round(1e3 * x, 3) for x in a["itl"]],
+                "tokens_per_request": round(a["tokens"] / (rounds * c), 1),
+                "wall_s": round(statistics.median(a["wall"]), 3),
+            }
+        res["step_overhead"] = round(res["verbose_json"]["step_ms"] / res["json"]["step_ms"] - 1, 4)
+    finally:
+        eng.stop()
+    return res
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} CPUs"
+    return "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mmcpu.config import get_settings
+
+    ap = argparse.ArgumentParser(prog="python -m mmcpu_dev.bench.tsrules", description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", nargs="?", choices=("micro", "engine", "all"), default="all")
+    ap.add_argument("--c", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--processor-from", help="a git revision: the engine loads that revision's processor")
+    ap.add_argument("--out", type=Path, default=get_settings().cache_dir / "bench-tsrules")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    res: dict[str, Any] = {
+        "cpu": cpu_name(),
+        "load_before": os.getloadavg()[0],
+        "torch_threads": torch.get_num_threads(),
+    }
+    if args.what in ("micro", "all"):
+        res["micro"] = micro(calls=args.calls)
+    if args.what in ("engine", "all"):
+        res["engine"] = engine(args.c, args.rounds, args.out, args.processor_from)
+    res["load_after"] = os.getloadavg()[0]
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
