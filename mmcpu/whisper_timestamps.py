@@ -44,6 +44,9 @@ FQCN = "mmcpu.whisper_timestamps:WhisperTimestamps"
 KEY = "mmcpu_whisper_timestamps"
 FIELDS = ("timestamp_begin", "eot", "no_timestamps", "max_initial")
 NUM_TIMESTAMPS = 1501  # <|0.00|> .. <|30.00|>
+# Relative width within which "timestamps likelier than text" is decided on log-probabilities (openai-whisper's
+# arithmetic) instead of on logits: float32 rounding of either form stays orders of magnitude below it.
+TIE_TOLERANCE = 1e-4
 
 
 def request_args(
@@ -79,12 +82,22 @@ def seek_index(tokens: Sequence[int], timestamp_begin: int, eot: int) -> int | N
 
 
 class WhisperTimestamps(LogitsProcessor):
+    """The rules for every timestamped row of a step at once. Each row's history reduces on the host to a few
+    numbers (its last two tokens, its last timestamp, how much forced text came); the rules then leave a row at
+    most three allowed spans - all text or one forced token or none, the end or not, and one interval of
+    timestamps - written into the logits as a handful of slice fills over the batch's rows, never a mask per rule
+    and vocabulary. The "timestamps likelier than any text token" test compares ``logsumexp`` of the timestamp
+    logits with the best text logit (the same test as openai-whisper's on log-probabilities: both sides differ by
+    the row's log-normaliser); a row within rounding of a tie is decided openai-whisper's way, with the full
+    ``log_softmax``, so the choice is exactly that of the per-rule formulation."""
+
     def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState) -> None:
         self.req_states = req_states
         # Per request slot: on/off and its token ids (host arrays; the batch's rows are gathered per step).
         self.active = np.zeros(req_states.max_num_reqs, dtype=bool)
         self.ids = np.zeros((req_states.max_num_reqs, len(FIELDS)), dtype=np.int64)
-        self.forced: list[torch.Tensor | None] = [None] * req_states.max_num_reqs  # a slot's text to force
+        self.forced: list[np.ndarray | None] = [None] * req_states.max_num_reqs  # a slot's text to force
+        self._offsets: dict[tuple[int, str], torch.Tensor] = {}  # 0..NUM_TIMESTAMPS-1 per (width, device)
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -93,6 +106,8 @@ class WhisperTimestamps(LogitsProcessor):
             return
         if not isinstance(args, dict) or any(not isinstance(args.get(f), int) or args[f] < 0 for f in FIELDS):
             raise ValueError(f"extra_args[{KEY!r}] must map {', '.join(FIELDS)} to non-negative token ids")
+        if not args["eot"] < args["timestamp_begin"]:  # Whisper's layout: text, the end, specials, timestamps
+            raise ValueError(f"extra_args[{KEY!r}]: eot must come before timestamp_begin")
         text = args.get("text")
         if text is not None and (
             not isinstance(text, list) or any(not isinstance(t, int) or not 0 <= t < args["eot"] for t in text)
@@ -106,75 +121,131 @@ class WhisperTimestamps(LogitsProcessor):
             return False
         self.ids[req_idx] = [args[f] for f in FIELDS]
         text = args.get("text")
-        self.forced[req_idx] = None if text is None else torch.tensor(text, dtype=torch.long)
+        self.forced[req_idx] = None if text is None else np.asarray(text, dtype=np.int64)
         return True
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         if not self.active[ctx.idx_mapping_np].any():
             return logits
-        device = logits.device
-        slots_all = ctx.expanded_idx_mapping
-        active = torch.from_numpy(self.active).to(device)[slots_all]
-        rows = active.nonzero().squeeze(1)
-        slots = slots_all[rows].long()
-        ids = torch.from_numpy(self.ids).to(device)[slots]
-        tb, eot, no_ts, max_initial = (ids[:, i : i + 1] for i in range(len(FIELDS)))
-        n = rows.numel()
-        r = torch.arange(n, device=device)
+        # The per-row bookkeeping is a few numbers per row: numpy on the host (the runner's buffers are host memory
+        # on CPU; elsewhere this copies a few hundred ints), where torch would pay its per-op dispatch many times.
+        slots_all = ctx.expanded_idx_mapping.cpu().numpy()
+        rows = np.flatnonzero(self.active[slots_all])
+        slots = slots_all[rows]
+        ids = self.ids[slots]
+        tb, eot, no_ts, max_initial = ids.T
+        n = rows.size
+        r = np.arange(n)
 
         # The tokens so far, prompt included: the committed ones, with this step's input token at its position.
-        seq_len = ctx.pos[rows].long() + 1
-        hist = self.req_states.all_token_ids.gpu[slots, : int(seq_len.max())].long().clone()
-        hist[r, seq_len - 1] = ctx.input_ids[rows].long()
-        prompt_len = self.req_states.prompt_len.gpu[slots].long()
-        j = torch.arange(hist.shape[1], device=device)
+        seq_len = ctx.pos.cpu().numpy()[rows].astype(np.int64) + 1
+        prompt_len = self.req_states.prompt_len.gpu.cpu().numpy()[slots].astype(np.int64)
+        start = max(int(prompt_len.min()) - 1, 0)  # from the input token of a first step on
+        hist = self.req_states.all_token_ids.gpu[torch.from_numpy(slots), start : int(seq_len.max())]
+        hist = hist.cpu().numpy().astype(np.int64)  # a copy: this step's input token goes in below
+        hist[r, seq_len - 1 - start] = ctx.input_ids.cpu().numpy()[rows]
+        j = np.arange(start, start + hist.shape[1])
         generated = (j >= prompt_len[:, None]) & (j < seq_len[:, None])
-        hist_ts = generated & (hist >= tb) & (hist < tb + NUM_TIMESTAMPS)
+        is_stamp = generated & (hist >= tb[:, None]) & (hist < (tb + NUM_TIMESTAMPS)[:, None])
+        max_ts = np.where(is_stamp, hist, -1).max(axis=1, initial=-1)  # timestamps never decrease: the last one
         n_gen = seq_len - prompt_len
-        last = hist[r, seq_len - 1]
-        penult = hist[r, (seq_len - 2).clamp(min=0)]
-        last_ts = (n_gen >= 1) & (last >= tb[:, 0])
-        penult_ts = (n_gen < 2) | (penult >= tb[:, 0])
-        max_ts = torch.where(hist_ts, hist, -1).max(dim=1).values  # timestamps never decrease: the last one
+        last = hist[r, seq_len - 1 - start]
+        penult = hist[r, np.maximum(seq_len - 2 - start, 0)]
+        last_ts = (n_gen >= 1) & (last >= tb)
+        penult_ts = (n_gen < 2) | (penult >= tb)
+        pair = last_ts & penult_ts  # a pair just closed: text (or the end) must follow
+        lone = last_ts & ~penult_ts  # a lone closing timestamp: a timestamp or the end
+        first = n_gen == 0  # the first token: a timestamp within max_initial of the window's start
 
-        v = torch.arange(logits.shape[1], device=device)[None, :]
-        is_ts = (v >= tb) & (v < tb + NUM_TIMESTAMPS)
-        is_text = v < eot
-        banned = (v == no_ts) | ((v > eot) & (v < tb)) | (v >= tb + NUM_TIMESTAMPS)
-        # A pair just closed: text (or the end) must follow. A lone closing timestamp: a timestamp or the end.
-        banned |= (last_ts & penult_ts)[:, None] & is_ts
-        banned |= (last_ts & ~penult_ts)[:, None] & is_text
-        # Non-decreasing, and a segment that has text since its start timestamp cannot end where it started.
-        floor = torch.where(last_ts & ~penult_ts, max_ts, max_ts + 1)
-        banned |= ((max_ts >= 0)[:, None]) & is_ts & (v < floor[:, None])
-        # The first token: a timestamp within max_initial of the window's start.
-        first = (n_gen == 0)[:, None]
-        banned |= first & (~is_ts | (v > tb + max_initial))
-        banned |= self._forced_text_bans(slots, generated & (hist < eot), v, eot)
+        # Forced text: its next token while some is left, else no text and the end allowed.
+        forced = np.array([self.forced[s] is not None for s in slots.tolist()], dtype=bool)
+        nxt = np.full(n, -1, dtype=np.int64)
+        if forced.any():
+            done = (generated & (hist < eot[:, None])).sum(axis=1)
+            for i in np.flatnonzero(forced).tolist():
+                text = self.forced[slots[i]]
+                assert text is not None
+                if done[i] < text.size:
+                    nxt[i] = text[done[i]]
+        left = nxt >= 0
 
-        sub = logits[rows].masked_fill(banned, float("-inf"))
-        logprobs = torch.log_softmax(sub, dim=-1)
-        ts_logprob = torch.logsumexp(logprobs.masked_fill(~is_ts, float("-inf")), dim=-1)
-        text_logprob = logprobs.masked_fill(v >= tb, float("-inf")).max(dim=-1).values
-        force = (ts_logprob > text_logprob)[:, None] & (v < tb)
-        logits[rows] = sub.masked_fill(force, float("-inf"))
+        # What each row may take: all text / one text token / none; the end or not; one interval of timestamps.
+        text_all = ~(lone | first | forced)
+        one = np.where(~(lone | first) & forced & left, nxt, -1)
+        eot_ok = ~(first | (forced & left))
+        floor = np.where(max_ts < 0, tb, np.where(lone, max_ts, max_ts + 1))
+        hi = np.where(first, np.minimum(tb + max_initial, tb + NUM_TIMESTAMPS - 1), tb + NUM_TIMESTAMPS - 1)
+        lo = np.where(pair, hi + 1, floor)  # after a pair: none
+
+        device = logits.device
+        whole = n == logits.shape[0]  # every row timestamped (as at a batch of verbose_json): edit in place
+        sub = logits if whole else logits[torch.from_numpy(rows).to(device)]
+        keys = ids[:, :3]
+        for key in np.unique(keys, axis=0):  # one group per tokenizer: one in practice
+            group = np.flatnonzero((keys == key).all(axis=1))
+            if group.size == n:
+                self._apply_group(sub, tuple(key.tolist()), text_all, one, eot_ok, lo, hi)
+            else:
+                g = torch.from_numpy(group).to(device)
+                part = sub[g]
+                self._apply_group(
+                    part, tuple(key.tolist()), text_all[group], one[group], eot_ok[group], lo[group], hi[group]
+                )
+                sub[g] = part
+        if not whole:
+            logits[torch.from_numpy(rows).to(device)] = sub
         return logits
 
-    def _forced_text_bans(
-        self, slots: torch.Tensor, text_so_far: torch.Tensor, v: torch.Tensor, eot: torch.Tensor
-    ) -> torch.Tensor | bool:
-        """Rows with a forced text: while some is left, every text token but its next one, and the end; after it,
-        all text. ``text_so_far``: the rows' generated text tokens (mask over their history)."""
-        forced = [self.forced[s] for s in slots.tolist()]
-        if all(f is None for f in forced):
-            return False
-        done = text_so_far.sum(dim=1).tolist()
-        nxt = torch.full((len(forced), 1), -1, dtype=torch.long, device=v.device)  # -1: no text may come
-        rows = torch.zeros((len(forced), 1), dtype=torch.bool, device=v.device)
-        for i, (f, k) in enumerate(zip(forced, done, strict=True)):
-            if f is not None:
-                rows[i] = True
-                if k < len(f):
-                    nxt[i] = f[k]
-        left = nxt >= 0
-        return rows & (((v < eot) & (v != nxt)) | (left & (v == eot)))
+    def _apply_group(
+        self,
+        sub: torch.Tensor,
+        key: tuple[int, ...],
+        text_all: np.ndarray,
+        one: np.ndarray,
+        eot_ok: np.ndarray,
+        lo: np.ndarray,
+        hi: np.ndarray,
+    ) -> None:
+        """Rows sharing one tokenizer's ids, edited in place: the rules' spans, then the forcing of a timestamp."""
+        tb, eot, no_ts = key
+        device, width = sub.device, sub.shape[1]
+        ts_end = min(tb + NUM_TIMESTAMPS, width)
+        inf = float("-inf")
+
+        def col(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)[:, None]
+
+        # Text: every row keeps all of it, one token of it, or none.
+        single = np.flatnonzero(one >= 0)
+        if single.size:
+            at = (torch.from_numpy(single).to(device), torch.from_numpy(one[single]).to(device))
+            kept = sub[at]
+        if not text_all.all():
+            sub[:, :eot].masked_fill_(~col(text_all), inf)
+        if single.size:
+            sub[at] = kept
+        if not eot_ok.all():
+            sub[:, eot].masked_fill_(~torch.from_numpy(eot_ok).to(device), inf)
+        sub[:, eot + 1 : tb] = inf  # <|notimestamps|>, language, task, start-of-transcript ...
+        sub[:, ts_end:] = inf
+        sub[:, no_ts] = inf
+        offsets = self._offsets.get((ts_end - tb, str(device)))
+        if offsets is None:
+            offsets = self._offsets[(ts_end - tb, str(device))] = torch.arange(ts_end - tb, device=device)[None, :]
+        stamps = sub[:, tb:ts_end]
+        stamps.masked_fill_((offsets < col(lo - tb)) | (offsets > col(hi - tb)), inf)
+
+        # A timestamp is forced where all of them together are likelier than the best text token (or the end).
+        ts_mass = torch.logsumexp(stamps, dim=-1)
+        best_text = sub[:, :tb].max(dim=-1).values
+        force = ts_mass > best_text
+        close = torch.isfinite(ts_mass) & torch.isfinite(best_text)
+        close &= (ts_mass - best_text).abs() <= TIE_TOLERANCE * (1 + ts_mass.abs() + best_text.abs())
+        if bool(close.any()):  # within rounding of a tie: openai-whisper's own arithmetic on log-probabilities
+            near = close.nonzero().squeeze(1)
+            logprobs = torch.log_softmax(sub[near], dim=-1)
+            v = torch.arange(width, device=device)
+            # Whole rows masked, not slices: the same reduction, in the same order, as the per-rule form.
+            ts_lp = torch.logsumexp(logprobs.masked_fill((v < tb) | (v >= ts_end), inf), dim=-1)
+            force[near] = ts_lp > logprobs.masked_fill(v >= tb, inf).max(dim=-1).values
+        sub[:, :tb].masked_fill_(force[:, None], inf)
