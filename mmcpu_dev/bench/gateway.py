@@ -25,7 +25,7 @@ def render(r: dict[str, Any]) -> str:
         return f"median {x['p50_ms']} ms, p99 {x['p99_ms']} ms, max {x['max_ms']} ms" if x.get("count") else "none"
 
     def statuses(x: dict[str, Any]) -> str:
-        return ", ".join(f"{n} {k}" for k, n in sorted(x.items()))
+        return ", ".join(f"{k}: {n}" for k, n in sorted(x.items()))
 
     s = r["settings"]
     b = r["bounds"]
@@ -36,7 +36,8 @@ def render(r: dict[str, Any]) -> str:
             f"{r['clients']} clients at once for {r['seconds']:g} s: {r['slow']} slow-loris uploads, "
             f"{r['fast']} clients pacing {r['pace_s']:g} s between requests ({r['chat_clients']} of them chatting "
             f"with the other engine); `MMCPU_ENGINE_CONCURRENCY={s['engine_concurrency']}`, "
-            f"`MMCPU_ENGINE_QUEUE={s['engine_queue']}`.",
+            f"`MMCPU_ENGINE_QUEUE={s['engine_queue']}`. Times are as the clients saw them: the clients (one Python "
+            "process), the gateway and the stand-ins share the same CPUs.",
             "",
             "| What | Result | Bound |",
             "|---|---|---|",
