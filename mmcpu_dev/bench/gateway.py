@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow", type=int, default=200)
     parser.add_argument("--fast", type=int, default=300)
     parser.add_argument("--chat-clients", type=int, default=20)
-    parser.add_argument("--pace-s", type=float, default=1.0)
+    parser.add_argument("--pace-s", type=float, default=gateway_load.PACE_S)
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/gateway.md's figures")
