@@ -237,6 +237,13 @@ class Settings(BaseSettings):
         "without MMCPU_API_KEY; false: it refuses to start so. Compose sets it (the container must bind 0.0.0.0 and "
         "the stack publishes on 127.0.0.1 only); Kubernetes never does",
     )
+    engine_api_key: SecretStr | None = Field(
+        None,
+        description="the engines' internal key: if set and not empty, each engine (vLLM's VLLM_API_KEY, handed "
+        "over in its environment, never on its command line) answers 401 to every /v1/* request without "
+        "'Authorization: Bearer KEY'; the gateway, the health check and the launcher's watchdog send it. "
+        "/health and /metrics of an engine stay open",
+    )
     max_upload_mb: float = Field(
         25,
         gt=0,

@@ -157,6 +157,13 @@ def request(url: str, timeout: float, data: bytes | None = None, headers: dict[s
         raise Unhealthy(f"{url.split('/', 3)[-1]}: {exc or type(exc).__name__}") from None
 
 
+def engine_headers(settings: Settings) -> dict[str, str]:
+    """What every internal caller of an engine's /v1 paths sends: MMCPU_ENGINE_API_KEY as a bearer token (vLLM
+    answers 401 without it once the engine runs with the key); nothing when no key is set."""
+    key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else ""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 TOKEN_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
@@ -197,13 +204,22 @@ def multipart(fields: dict[str, str], file: bytes) -> tuple[bytes, str]:
     return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
 
 
-def progress_check(kind: str, port: int, timeout: float, probe_s: float, before: float | None) -> tuple[str, float]:
+def progress_check(
+    kind: str,
+    port: int,
+    timeout: float,
+    probe_s: float,
+    before: float | None,
+    headers: dict[str, str] | None = None,
+) -> tuple[str, float]:
     """One check of an engine probed as ``kind``: (verdict, token count now). Raises Unhealthy (or NotServed)
     when it fails.
 
     /health first (a dead EngineCore), then progress: token counters that moved since ``before`` prove the core
     is stepping (a busy engine needs nothing more); else one 1-token request must finish within ``probe_s``
-    (a hung core never finishes it, however well its API server still answers /health and /metrics)."""
+    (a hung core never finishes it, however well its API server still answers /health and /metrics). ``headers``
+    go with the /v1 requests: the engine's internal key (:func:`engine_headers`)."""
+    auth = headers or {}
     base = f"http://127.0.0.1:{port}"
     request(f"{base}/health", timeout)  # 503 once the EngineCore is dead
     tokens = token_count(request(f"{base}/metrics", timeout).decode())
@@ -211,7 +227,7 @@ def progress_check(kind: str, port: int, timeout: float, probe_s: float, before:
         return "ok (progress)", tokens
     if probe_s == 0:
         return "ok (/health only)", tokens
-    model = json.loads(request(f"{base}/v1/models", timeout))["data"][0]["id"]
+    model = json.loads(request(f"{base}/v1/models", timeout, headers=auth))["data"][0]["id"]
     t0 = time.monotonic()
     try:
         if kind == "audio":
@@ -225,10 +241,10 @@ def progress_check(kind: str, port: int, timeout: float, probe_s: float, before:
                 },
                 silent_wav(),
             )
-            request(f"{base}/v1/audio/transcriptions", probe_s, body, {"Content-Type": ctype})
+            request(f"{base}/v1/audio/transcriptions", probe_s, body, {**auth, "Content-Type": ctype})
         else:
             body = json.dumps({"model": model, "prompt": "a", "max_tokens": 1, "temperature": 0}).encode()
-            request(f"{base}/v1/completions", probe_s, body, {"Content-Type": "application/json"})
+            request(f"{base}/v1/completions", probe_s, body, {**auth, "Content-Type": "application/json"})
     except Unhealthy as exc:
         raise Unhealthy(f"no progress: {exc} (1-token probe, bound {probe_s:g}s){heartbeat_note(port)}") from None
     elapsed = time.monotonic() - t0
@@ -236,7 +252,9 @@ def progress_check(kind: str, port: int, timeout: float, probe_s: float, before:
     return f"ok (1-token probe {elapsed:.2f}s)", tokens
 
 
-def probe_engine(kind: str, port: int, timeout: float, probe_s: float, fresh_s: float = 0) -> str:
+def probe_engine(
+    kind: str, port: int, timeout: float, probe_s: float, fresh_s: float = 0, headers: dict[str, str] | None = None
+) -> str:
     """:func:`progress_check` with the token count kept between runs in :func:`health_file`. A progress check
     the launcher's watchdog passed within ``fresh_s`` stands in for the 1-token request."""
     if fresh_s and (age := watchdog_pass_age(port)) is not None and age <= fresh_s:
@@ -247,7 +265,7 @@ def probe_engine(kind: str, port: int, timeout: float, probe_s: float, fresh_s: 
         before = json.loads(state.read_text())["tokens"]
     except (OSError, ValueError, KeyError):
         before = None
-    verdict, tokens = progress_check(kind, port, timeout, probe_s, before)
+    verdict, tokens = progress_check(kind, port, timeout, probe_s, before, headers)
     state.write_text(json.dumps({"tokens": tokens}))
     return verdict
 

@@ -54,6 +54,7 @@ def main() -> int:
                     settings.health_timeout_s,
                     settings.health_probe_s,
                     health.watchdog_fresh_s(settings),
+                    health.engine_headers(settings),
                 )
         except health.NotServed:
             # Auto-detection: a refused port is not this container's. A named role's port must answer.

@@ -90,6 +90,14 @@ def engine_env(
     env["VLLM_MEDIA_CONNECTOR"] = MEDIA_CONNECTOR
     env["VLLM_MAX_IMAGE_PIXELS"] = str(settings.max_image_pixels)
     env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if settings.runner == "v2" else "0"
+    # The internal key reaches vLLM in its environment (vLLM reads VLLM_API_KEY when --api-key is not given), never
+    # as --api-key: a command line is readable by every process of the host (ps, /proc/PID/cmdline). The one
+    # setting decides: an inherited VLLM_API_KEY the gateway and the health checks do not send is dropped.
+    key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else ""
+    if key:
+        env["VLLM_API_KEY"] = key
+    else:
+        env.pop("VLLM_API_KEY", None)
     if settings.runner == "v2" and settings.triton_interpret:
         # No triton-cpu on PyPI: MRV2's @triton.jit kernels run in Triton's interpreter
         # (patches/0004 lets vLLM accept that as "Triton available").

@@ -36,10 +36,21 @@ class Watchdog(threading.Thread):
     before the engine served its first request do not count (vLLM accepts connections while it is still loading),
     and until then only /health is asked."""
 
-    def __init__(self, kind: str, port: int, *, interval: float, failures: int, timeout: float, probe_s: float) -> None:
+    def __init__(
+        self,
+        kind: str,
+        port: int,
+        *,
+        interval: float,
+        failures: int,
+        timeout: float,
+        probe_s: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(name=f"mmcpu-watchdog-{kind}", daemon=True)
         self.kind, self.port, self.interval, self.failures = kind, port, interval, failures
         self.timeout, self.probe_s = timeout, probe_s
+        self.headers = headers or {}  # the engine's internal key (health.engine_headers)
         self.stopped = threading.Event()
         self.verdict: str | None = None
         self.serving = False
@@ -53,7 +64,7 @@ class Watchdog(threading.Thread):
                 # Unarmed (no request served yet): /health only, so the first request an engine sees is a
                 # client's (the unpatched proof relies on that) and an engine nobody uses is not probed.
                 probe_s = self.probe_s if self.serving else 0
-                _, tokens = health.progress_check(self.kind, self.port, self.timeout, probe_s, tokens)
+                _, tokens = health.progress_check(self.kind, self.port, self.timeout, probe_s, tokens, self.headers)
             except (health.Unhealthy, health.NotServed, ValueError, KeyError, IndexError) as exc:
                 if not self.serving:
                     continue
@@ -85,6 +96,7 @@ def watchdogs(settings: Settings, engines: Iterable[health.Target]) -> dict[str,
             failures=settings.watchdog_failures,
             timeout=settings.health_timeout_s,
             probe_s=settings.health_probe_s,
+            headers=health.engine_headers(settings),
         )
         for t in engines
     }

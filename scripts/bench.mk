@@ -17,13 +17,16 @@
 #   make bench-defaults  mode defaults: this CPU's row of mmcpu/cpu_defaults.json (each role's dtype x int8
 #                     candidates measured side by side; the launcher's per-CPU defaults). Run before `make bench`,
 #                     which then measures the chosen default as "ours"
+#   make bench-gateway  mode gateway: the gateway's load test (500 clients at once, 200 slow-loris uploads, stand-in
+#                     engines) into docs/bench/results.json and docs/gateway.md; fails when a bound is broken
+#                     (make bench runs it last)
 #   make bench-quick  mode quick: the same workload at c=1,4, one round, for development; writes to
 #                     .cache/bench-quick so the committed report is not overwritten
 BENCH_VENV   ?= .cache/bench-venv
 BENCH_PYTHON ?= python3
 BENCH_ARGS   ?=
 
-.PHONY: bench bench-quick bench-venv bench-defaults bench-peers bench-lines
+.PHONY: bench bench-gateway bench-quick bench-venv bench-defaults bench-peers bench-lines
 bench-venv: $(BENCH_VENV)/.installed
 
 $(BENCH_VENV)/.installed: requirements-bench.txt
@@ -34,6 +37,11 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 bench: models bench-venv
 	$(PY) -m mmcpu_dev.bench full --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
 	$(PY) -m mmcpu_dev.bench realtime
+	$(PY) -m mmcpu_dev.bench gateway
+
+# No models or engines: the gateway in front of stand-ins is what is measured.
+bench-gateway: venv
+	$(PY) -m mmcpu_dev.bench gateway $(BENCH_ARGS)
 
 bench-peers: models
 	$(PY) -m mmcpu_dev.bench peers --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)

@@ -391,3 +391,18 @@ def test_an_engine_without_the_plugin_is_refused(monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     reason = launch.preflight(Settings(runner="v2", triton_interpret=False), env={"CXX": "/bin/true"})
     assert reason and "media connector" in reason
+
+
+def test_engine_key_reaches_vllm_in_its_environment_only():
+    """MMCPU_ENGINE_API_KEY becomes vLLM's VLLM_API_KEY (its environment), never --api-key on the command line; without
+    the setting an inherited VLLM_API_KEY is dropped, since the gateway and the health checks would not send it.
+    The real engine's 401 and the senders: tests/test_gateway_engine_key.py."""
+    settings = Settings(engine_api_key="internal-secret")
+    env = launch.engine_env(settings, base={}, cpus=Cpus((0,)))
+    assert env["VLLM_API_KEY"] == "internal-secret"
+    for kind, model in (("audio", "/models/whisper-tiny.en"), ("vision", "/models/tiny-llava")):
+        argv = launch.engine_argv(model, settings, port=8001, kind=kind)
+        assert "--api-key" not in argv and not any("internal-secret" in a for a in argv)
+    assert "VLLM_API_KEY" not in launch.engine_env(Settings(), base={"VLLM_API_KEY": "stale"}, cpus=Cpus((0,)))
+    assert health.engine_headers(settings) == {"Authorization": "Bearer internal-secret"}
+    assert health.engine_headers(Settings()) == health.engine_headers(Settings(engine_api_key="")) == {}

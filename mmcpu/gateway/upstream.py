@@ -18,7 +18,11 @@ from starlette.types import Receive, Scope, Send
 from mmcpu.config import Settings
 from mmcpu.gateway.errors import ClientGone, OpenAIError, engine_unavailable
 from mmcpu.gateway.metrics import Metrics
-from mmcpu.health import StallDetector, token_count  # progress means the same here as to the health check
+from mmcpu.health import (  # progress means the same here as to the health check
+    StallDetector,
+    engine_headers,
+    token_count,
+)
 
 log = logging.getLogger("mmcpu.gateway")
 
@@ -125,11 +129,16 @@ class Upstreams:
         self.probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.connect_timeout_s)
         self.models_ttl = settings.models_ttl_s
         self.stall_s = settings.stall_s
+        # MMCPU_ENGINE_API_KEY on every engine call (vLLM guards /v1/*; /health and /metrics are open): the probes'
+        # /v1/models as much as the requests. A client's own Authorization is never passed on (forward copies
+        # only the headers it names), so the internal key is the only one an engine sees.
+        auth = engine_headers(settings)
         # trust_env=False: engine URLs are internal; an HTTP(S)_PROXY meant for the outside must not catch them.
         # Probes: a few connections of their own, so /health answers while every request place is taken.
         self.client = httpx.AsyncClient(
             timeout=self.probe_timeout,
             trust_env=False,
+            headers=auth,
             limits=httpx.Limits(max_connections=4 * len(settings.engines) + 4),
         )
         concurrency = settings.engine_concurrency
@@ -147,6 +156,7 @@ class Upstreams:
                 client=httpx.AsyncClient(
                     timeout=timeout,
                     trust_env=False,
+                    headers=auth,
                     limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
                 ),
                 admission=Admission(

@@ -24,6 +24,9 @@ float32  float32 GEMM GFLOP/s per CPU path (MKL via F.linear, vLLM's oneDNN, tor
 realtime realtime transcription sessions at real-time pace on one engine through the gateway: sessions held,
          end of speech -> completed, first delta, WER against the HTTP API (mmcpu_dev.bench.realtime; its
          own options; make bench runs it after full)
+gateway  the gateway's load test: 500 clients at once, 200 of them slow-loris uploads, its bounds checked (exit 1
+         when one is broken); into OUT/bench/results.json and docs/gateway.md (mmcpu_dev.bench.gateway; make
+         bench-gateway; make bench runs it last)
 c1profile one request at c=1 taken apart, ours against OpenVINO GenAI's perf_metrics (mmcpu_dev.bench.c1profile;
          docs/bench/c1-profile.md)
 """
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from mmcpu_dev.bench import realtime
 
         return realtime.main(argv[1:])
+    if argv[:1] == ["gateway"]:  # the gateway's load test (stand-in engines), its bounds checked
+        from mmcpu_dev.bench import gateway
+
+        return gateway.main(argv[1:])
     if argv[:1] == ["c1profile"]:  # one request's parts, ours against OpenVINO GenAI
         from mmcpu_dev.bench import c1profile
 

@@ -110,6 +110,7 @@ class Results(BaseModel):
     profile: dict[str, dict] = {}
     rounds: list[RoundRecord] = []
     attention: dict = {}  # mmcpu_dev.bench.attention.headline(): bf16 encoder attention GFLOP/s beside the GEMM's
+    gateway_load: dict = {}  # mmcpu_dev.bench.gateway (make bench-gateway): the gateway's load test and its verdict
     headline: dict[str, float] = {}
 
     @property
