@@ -200,6 +200,22 @@ def test_word_timestamps_from_the_alignment(stt_engine, long_clip):
     assert "words" not in without or without["words"] is None
 
 
+def test_include_logprobs(stt_engine, clips):
+    """``include[]=logprobs`` with json: OpenAI's logprobs array, one entry per generated token, whose texts make up
+    the answer's text; the text itself is json's. With another format it goes to vLLM's serving (ignored, as ever)."""
+    audio = clips[1][0]
+    plain = post(stt_engine, audio, PLUGIN, response_format="json").json()
+    doc = post(stt_engine, audio, PLUGIN, response_format="json", **{"include[]": "logprobs"}).json()
+    assert doc["text"] == plain["text"] and "logprobs" not in plain
+    entries = doc["logprobs"]
+    assert entries and all(set(e) == {"token", "logprob", "bytes"} for e in entries)
+    assert all(e["logprob"] <= 0 for e in entries)
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == doc["text"]
+    assert "".join(e["token"] for e in entries) == doc["text"]
+    other = post(stt_engine, audio, "vllm; reason=include", response_format="text", **{"include[]": "logprobs"})
+    assert other.text.strip()
+
+
 @pytest.mark.parametrize("seconds", [3, 5])
 def test_silence_is_a_whole_answer(stt_engine, tmp_path, seconds):
     import numpy as np

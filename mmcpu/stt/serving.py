@@ -42,8 +42,12 @@ COVERED = {
     "sampling": "greedy or sampled (temperature, top_p, top_k, min_p, penalties, seed); no beam search",
     "audio": "any length vLLM decodes: 30 s windows cut as vLLM cuts them",
     "language": "given, or English for English-only models",
+    "include[]": "logprobs, with json (OpenAI's logprobs array: token, logprob, bytes)",
 }
 TIMESTAMPED = ("verbose_json", "srt", "vtt")
+# OpenAI's ``include[]``: the form field as it arrives (an unknown field to vLLM's request model); "logprobs" is
+# answered for json, as OpenAI does.
+INCLUDE_FIELDS = ("include[]", "include")
 # openai-whisper's seek over a window's unfinished tail: at most this many re-decodes per window, each at least
 # this far past the last, and none for a tail shorter than this (its open text is kept as decoded).
 SEEK_MAX = 3
@@ -128,11 +132,50 @@ class SpeechServing:
             return "timestamp_granularities"  # words by decode; or json/text, which vLLM's serving refuses (400)
         if "chunking_strategy" in extra or self.default_vad is not None:
             return "chunking_strategy"
-        if extra:
+        include = self.include(request)
+        if include and (include != {"logprobs"} or fmt != "json" or request.stream):
+            return "include"  # vLLM's serving ignores it, as it always did
+        if set(extra) - set(INCLUDE_FIELDS):
             return "extra_fields"  # vLLM's serving knows (or ignores) them as it always did
         if request.language is None and not self._english_only():
             return "language"  # language detection
         return None
+
+    @staticmethod
+    def include(request: Any) -> set[str]:
+        """OpenAI's ``include[]`` values of the request (a form field given once or repeated)."""
+        extra = request.model_extra or {}
+        out: set[str] = set()
+        for key in INCLUDE_FIELDS:
+            value = extra.get(key)
+            if value is not None:
+                out.update([value] if isinstance(value, str) else [str(v) for v in value])
+        return out
+
+    def logprobs(self, finals: Sequence[Any]) -> list[dict[str, Any]]:
+        """OpenAI's ``logprobs`` array of a json answer: per generated text token, its text, log probability and
+        UTF-8 bytes (a token may hold part of a character: its own bytes, not the decoded text's)."""
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        assert self.tokenizer is not None
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        out = []
+        for final in finals:
+            gen = final.outputs[0]
+            for token, lp in zip(gen.token_ids, gen.logprobs or [], strict=False):
+                if token >= self.eot:
+                    continue
+                piece = self.tokenizer.convert_ids_to_tokens(token)
+                raw = bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) else piece.encode()
+                entry = lp.get(token) if lp else None
+                out.append(
+                    {
+                        "token": raw.decode("utf-8", errors="replace"),
+                        "logprob": entry.logprob if entry is not None else None,
+                        "bytes": list(raw),
+                    }
+                )
+        return out
 
     def _english_only(self) -> bool:
         check = getattr(self.model_cls, "is_english_only", None)
@@ -239,7 +282,8 @@ class SpeechServing:
         fmt = request.response_format
         aligned = fmt in TIMESTAMPED and self.aligner is not None
         timestamped = fmt in TIMESTAMPED and not aligned  # decoded under the timestamp rules
-        params = self.sampling(request, timestamped, logprobs=aligned)
+        want_logprobs = fmt == "json" and "logprobs" in self.include(request)
+        params = self.sampling(request, timestamped, logprobs=aligned or want_logprobs)
         base = f"mmcpu-stt-{self.task}-{uuid.uuid4().hex}"
         ids = [f"{base}-{i}" for i in range(len(windows))]
         try:
@@ -273,7 +317,10 @@ class SpeechServing:
             text = self.separator(request).join(texts)
             if fmt == "text":
                 return text.strip() + "\n"
-            return {"text": text, **({"usage": usage} if self.task == "transcribe" else {})}
+            doc = {"text": text, **({"usage": usage} if self.task == "transcribe" else {})}
+            if want_logprobs:
+                doc["logprobs"] = self.logprobs(finals)
+            return doc
         try:
             per_window = await asyncio.gather(
                 *(
