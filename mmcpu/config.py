@@ -153,6 +153,14 @@ class Settings(BaseSettings):
         "sets VLLM_PLUGINS=mmcpu,mmcpu_stt and refuses to start without it): it serves what it covers (docs/api.md"
         "#the-speech-package) and hands every other request to vLLM's serving unchanged",
     )
+    stt_timestamps: Literal["align", "decode"] = Field(
+        "align",
+        description="how the mmcpu.stt package (MMCPU_STT_ROUTES=plugin) times verbose_json, srt and vtt. align = "
+        "each window decoded exactly as json decodes it, then one teacher-forced cross-attention alignment of that "
+        "text (segments built from json's own words, so every format keeps them; word timestamps from the same "
+        "alignment). decode = one decode per window under Whisper's timestamp rules (the model places the "
+        "timestamps; its words may differ from json's). Measured in docs/api.md#the-speech-package",
+    )
 
     # --- roles of the container entrypoint --------------------------------------------------------
     audio_model: str = Field("/models/whisper-tiny.en", description="model served by the audio engine")

@@ -255,11 +255,13 @@ def words_for_window(
     offset: float,
     duration: float,
     segment_times: Sequence[tuple[float, float]] | None = None,
+    starts: np.ndarray | None = None,
 ) -> list[list[Word]]:
     """The words of one window, per segment of ``segments`` (each a list of text tokens, in order; together the
     rows of ``matrix`` after its first), with times in seconds of the whole audio (``offset``: the window's
     start; ``duration``: its audio length). ``segment_times``: the segments' own (start, end) in the window,
-    used as openai-whisper does to correct an over-long first or last word."""
+    used as openai-whisper does to correct an over-long first or last word. ``starts``: the matrix's
+    :func:`token_start_times`, when the caller has them already (DTW is the costly part)."""
     text_tokens = [t for seg in segments for t in seg]
     if not text_tokens:
         return [[] for _ in segments]
@@ -267,7 +269,8 @@ def words_for_window(
         raise AlignmentError(f"alignment matrix has {matrix.shape[0]} rows for {len(text_tokens)} text tokens")
     # Row r's query predicts text token r (row 0 is <|notimestamps|>): a word starts where the path enters the
     # row predicting its first token and ends where it enters the row predicting the next word's.
-    starts = token_start_times(matrix)
+    if starts is None:
+        starts = token_start_times(matrix)
     words: list[Word] = []
     segment_of: list[int] = []
     pos = 0
@@ -276,7 +279,7 @@ def words_for_window(
             words.append(Word(text, toks, float(starts[pos]), float(starts[pos + len(toks)])))
             segment_of.append(index)
             pos += len(toks)
-    _cut_long_words(words, segment_of, segment_times)
+    cut_long_words(words, segment_of, segment_times)
     per_segment: list[list[Word]] = [[] for _ in segments]
     for w, index in zip(_merge_punctuations(words, segment_of), segment_of, strict=True):
         if w is None:
@@ -287,7 +290,7 @@ def words_for_window(
     return per_segment
 
 
-def _cut_long_words(
+def cut_long_words(
     words: list[Word], segment_of: list[int], segment_times: Sequence[tuple[float, float]] | None
 ) -> None:
     """openai-whisper's corrections of DTW's over-long words (``add_word_timestamps``)."""

@@ -1,5 +1,6 @@
-"""mmcpu.stt without an engine: segments from a timestamped decode, the subtitle documents (parsed by the `srt` and
-`webvtt-py` libraries), and how the launcher loads the endpoint plugin. tests/test_stt_plugin.py serves it."""
+"""mmcpu.stt without an engine: segments from a timestamped decode or from aligned words, the subtitle documents
+(parsed by the `srt` and `webvtt-py` libraries), and how the launcher loads the endpoint plugin.
+tests/test_stt_plugin.py serves it."""
 
 from __future__ import annotations
 
@@ -50,6 +51,36 @@ def test_times_stay_in_the_window():
     (seg,) = segments([ts(29.9), 1, ts(29.98)], start=0.0, end=20.0)
     assert (seg.start, seg.end) == (20.0, 20.0)
     assert segments([ts(0), ts(1), EOT]) == []  # no text, no segment
+
+
+def test_aligned_words_are_grouped_at_sentence_ends_pauses_and_length():
+    words = [(" One", 0.0, 0.3), (" two", 0.3, 0.6), (".", 0.6, 0.7), (" Three", 1.0, 1.3), (" four", 1.3, 1.6)]
+    words += [(" five", 3.0, 3.3), (",", 3.3, 3.4)]  # a 1.4 s pause before "five"; punctuation never opens one
+    assert formats.group_words(words) == [range(0, 3), range(3, 5), range(5, 7)]
+    # a segment never outgrows SEGMENT_MAX_S: the word that would is the next one's first
+    steady = [(f" w{i}", i * 0.5, i * 0.5 + 0.4) for i in range(60)]
+    groups = formats.group_words(steady)
+    assert [i for g in groups for i in g] == list(range(60))  # every word, once, in order
+    assert all(steady[g[-1]][2] - steady[g[0]][1] <= formats.SEGMENT_MAX_S for g in groups) and len(groups) > 1
+    assert formats.group_words([]) == []
+
+
+def test_pauses_absorbed_by_the_alignment_are_given_back():
+    # DTW spreads a 2 s silence over "down" and "Could": both over-long; "went" is not touched
+    words = [(" the", 0.0, 0.3), (" sun", 0.3, 0.6), (" went", 0.6, 0.9), (" down", 0.9, 2.6), (" Could", 2.6, 4.0)]
+    words += [(" you", 4.0, 4.3), (" open", 4.3, 4.6)]
+    out = formats.trim_pauses(words)
+    longest = 2 * 0.3
+    assert out[2] == words[2] and out[3][1] == 0.9 and out[3][2] == pytest.approx(0.9 + longest)
+    assert out[4][1] == pytest.approx(4.0 - longest) and out[4][2] == 4.0
+    assert formats.group_words(out) == [range(0, 4), range(4, 7)]
+    # one word over a silence, its neighbours of normal length: the silence is after it
+    lone = [(" a", 0.0, 0.3), (" b", 0.3, 0.6), (" c", 0.6, 2.9), (" d", 2.9, 3.2), (" e", 3.2, 3.5)]
+    assert formats.trim_pauses(lone)[2][2] == pytest.approx(0.6 + longest)
+    # a sentence's final mark stays with its word, whatever the durations
+    end = [(" a", 0.0, 0.3), (" b", 0.3, 2.0), (".", 2.0, 3.5), (" c", 3.5, 3.8)]
+    assert formats.trim_pauses(end)[1:3] == end[1:3]
+    assert formats.group_words(formats.trim_pauses(end)) == [range(0, 3), range(3, 4)]
 
 
 HOSTILE = [" first line\n\nsecond line", " a --> b", " <b>bold</b> & co", "   "]

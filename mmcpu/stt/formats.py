@@ -1,8 +1,10 @@
-"""Segments from one timestamped decode, and the text / srt / vtt renderings (pure functions, no vLLM)."""
+"""Segments from one timestamped decode or from aligned words, and the text / srt / vtt renderings (pure functions,
+no vLLM)."""
 
 from __future__ import annotations
 
 import re
+import string
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +100,67 @@ def window_segments(
     if text:
         close(window_end)
     return segments
+
+
+# How segments are cut from a window's aligned words (MMCPU_STT_TIMESTAMPS=align), as Whisper's own segments tend to
+# fall: after a sentence-final mark, at a pause between words, and before a segment would outgrow Whisper's usual
+# segment length.
+SENTENCE_FINAL = tuple(".!?。！？")
+SEGMENT_PAUSE_S = 0.8
+SEGMENT_MAX_S = 12.0
+
+
+def _punctuation(text: str) -> bool:
+    return not text.strip().strip(string.punctuation + "。，！？、：”“")
+
+
+def trim_pauses(words: Sequence[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """Pauses back between aligned words. DTW gives every audio frame to some token, so a silence between two words
+    is absorbed by the words beside it, which run long ("over-long": beyond openai-whisper's ``longest``, twice the
+    median word, the median at most 0.7 s). Where both neighbours are over-long and together last more than twice
+    ``longest`` plus ``SEGMENT_PAUSE_S``, each is cut to ``longest`` on the side of the pause; a lone word longer
+    than ``longest`` plus ``SEGMENT_PAUSE_S`` beside a word of normal length is cut at its end (the alignment stays
+    on a word through the silence after it). Punctuation after a word is left to the word (a sentence's end is
+    Whisper's own cut, :func:`mmcpu.whisper_align.cut_long_words`)."""
+    durations = sorted(end - start for _, start, end in words if end > start)
+    if not durations:
+        return list(words)
+    longest = 2 * min(0.7, durations[len(durations) // 2])
+    starts = [start for _, start, _ in words]
+    ends = [end for _, _, end in words]
+    for i in range(len(words) - 1):
+        if _punctuation(words[i + 1][0]):
+            continue
+        da, db = ends[i] - starts[i], ends[i + 1] - starts[i + 1]
+        if da > longest and db > longest and da + db > 2 * longest + SEGMENT_PAUSE_S:
+            ends[i], starts[i + 1] = starts[i] + longest, ends[i + 1] - longest
+        elif da > longest + SEGMENT_PAUSE_S and db <= longest:
+            ends[i] = starts[i] + longest
+    return [(w[0], a, b) for w, a, b in zip(words, starts, ends, strict=True)]
+
+
+def group_words(words: Sequence[tuple[str, float, float]]) -> list[range]:
+    """Segments as ranges of ``words`` (text, start, end; in order, times in seconds): a new segment starts after
+    a word whose text ends a sentence (``SENTENCE_FINAL``), where a word starts ``SEGMENT_PAUSE_S`` or more after
+    the previous one ended, and at a word that would make the segment longer than ``SEGMENT_MAX_S``; never at
+    punctuation (it stays with the word before it). A segment always keeps its first word: no word is dropped."""
+    out: list[range] = []
+    first = 0
+    for i in range(1, len(words)):
+        text, start, end = words[i]
+        previous = words[i - 1]
+        if _punctuation(text):
+            continue
+        if (
+            previous[0].rstrip().endswith(SENTENCE_FINAL)
+            or start - previous[2] >= SEGMENT_PAUSE_S
+            or end - words[first][1] > SEGMENT_MAX_S
+        ):
+            out.append(range(first, i))
+            first = i
+    if words:
+        out.append(range(first, len(words)))
+    return out
 
 
 def _clock(seconds: float, decimal: str) -> str:

@@ -1,10 +1,17 @@
 """The speech API's serving, by composition on vLLM's public pieces (see :mod:`mmcpu.stt`).
 
-One engine request per audio window for every format it serves: json and text decode as vLLM's own serving does
-(the same prompt, the same sampling parameters, so the same words); verbose_json, srt and vtt decode once under
-Whisper's timestamp rules (:mod:`mmcpu.whisper_timestamps`, the engine's logits processor), the model choosing the
-timestamps in the same decode that chooses the words. Requests it does not cover go to vLLM's serving
-(:meth:`SpeechServing.delegation`)."""
+One autoregressive decode per audio window for every format it serves: json and text decode as vLLM's own serving
+does (the same prompt, the same sampling parameters, so the same words). verbose_json, srt and vtt are timed in one
+of two ways (``MMCPU_STT_TIMESTAMPS``):
+
+- ``align`` (the default): the window is decoded exactly as json decodes it, then its text is timed by one
+  teacher-forced forward of the engine's model (:mod:`mmcpu.whisper_align`: cross-attention of the alignment heads,
+  DTW), and segments are cut from json's own words (:func:`mmcpu.stt.formats.group_words`), so every format carries
+  json's words; ``timestamp_granularities=["word"]`` comes from the same alignment.
+- ``decode``: one decode under Whisper's timestamp rules (:mod:`mmcpu.whisper_timestamps`, the engine's logits
+  processor), the model choosing the timestamps in the same decode that chooses the words.
+
+Requests it does not cover go to vLLM's serving (:meth:`SpeechServing.delegation`)."""
 
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import numpy as np
 
 from mmcpu.stt import formats
 from mmcpu.stt.protocol import StreamInputTokenDetails, StreamUsage, TextDeltaEvent, TextDoneEvent
+from mmcpu.whisper_align import Word
 
 logger = logging.getLogger(__name__)
 TASKS = {"transcriptions": "transcribe", "translations": "translate"}
@@ -30,12 +38,16 @@ TASKS = {"transcriptions": "transcribe", "translations": "translate"}
 COVERED = {
     "response_format": ("json", "text", "verbose_json", "srt", "vtt"),
     "stream": "json and text, as transcript.text.delta / transcript.text.done events",
-    "timestamp_granularities": "segment",
+    "timestamp_granularities": "segment; word with MMCPU_STT_TIMESTAMPS=align (verbose_json)",
     "sampling": "greedy or sampled (temperature, top_p, top_k, min_p, penalties, seed); no beam search",
     "audio": "any length vLLM decodes: 30 s windows cut as vLLM cuts them",
     "language": "given, or English for English-only models",
+    "include[]": "logprobs, with json (OpenAI's logprobs array: token, logprob, bytes)",
 }
 TIMESTAMPED = ("verbose_json", "srt", "vtt")
+# OpenAI's ``include[]``: the form field as it arrives (an unknown field to vLLM's request model); "logprobs" is
+# answered for json, as OpenAI does.
+INCLUDE_FIELDS = ("include[]", "include")
 # openai-whisper's seek over a window's unfinished tail: at most this many re-decodes per window, each at least
 # this far past the last, and none for a tail shorter than this (its open text is kept as decoded).
 SEEK_MAX = 3
@@ -63,7 +75,8 @@ class SpeechServing:
         from vllm.model_executor.model_loader import get_model_cls
         from vllm.tokenizers import get_tokenizer
 
-        from mmcpu import vad, whisper_timestamps
+        from mmcpu import vad, whisper_align, whisper_timestamps
+        from mmcpu.config import get_settings
 
         self.engine = engine_client
         self.core = core  # vLLM's serving object for this task: the delegate
@@ -83,6 +96,11 @@ class SpeechServing:
             self.timestamp_begin, self.eot = ids("<|0.00|>"), self.tokenizer.eos_token_id
             if whisper_timestamps.FQCN in (self.model_config.logits_processors or []):
                 self.rules = whisper_timestamps.request_args(self.timestamp_begin, self.eot, ids("<|notimestamps|>"))
+        # The alignment method needs the model's alignment heads; without them the decode method serves.
+        self.aligner: whisper_align.WordTimestamps | None = None
+        if self.whisper and get_settings().stt_timestamps == "align":
+            aligner = whisper_align.WordTimestamps(self.model_config, self.tokenizer)
+            self.aligner = aligner if aligner.available else None
         # Decoding and resampling audio is CPU work: off the event loop, a few at a time.
         self.executor = ThreadPoolExecutor(
             max_workers=_vllm_envs().VLLM_MAX_AUDIO_PREPROCESS_WORKERS, thread_name_prefix="mmcpu-stt"
@@ -106,18 +124,58 @@ class SpeechServing:
             return "stream"  # vLLM's serving answers this with its 400
         if request.stream and request.stream_continuous_usage_stats:
             return "stream_continuous_usage_stats"
-        if fmt in TIMESTAMPED and self.rules is None:
+        if fmt in TIMESTAMPED and self.aligner is None and self.rules is None:
             return "timestamp_rules"  # the engine runs without the processor
         granularities = set(getattr(request, "timestamp_granularities", None) or [])
-        if granularities - {"segment"} or (granularities and fmt not in TIMESTAMPED):
-            return "timestamp_granularities"  # words; or json/text, which vLLM's serving refuses with a 400
+        words_ok = {"segment", "word"} if self.aligner is not None and fmt == "verbose_json" else {"segment"}
+        if granularities - words_ok or (granularities and fmt not in TIMESTAMPED):
+            return "timestamp_granularities"  # words by decode; or json/text, which vLLM's serving refuses (400)
         if "chunking_strategy" in extra or self.default_vad is not None:
             return "chunking_strategy"
-        if extra:
+        include = self.include(request)
+        if include and (include != {"logprobs"} or fmt != "json" or request.stream):
+            return "include"  # vLLM's serving ignores it, as it always did
+        if set(extra) - set(INCLUDE_FIELDS):
             return "extra_fields"  # vLLM's serving knows (or ignores) them as it always did
         if request.language is None and not self._english_only():
             return "language"  # language detection
         return None
+
+    @staticmethod
+    def include(request: Any) -> set[str]:
+        """OpenAI's ``include[]`` values of the request (a form field given once or repeated)."""
+        extra = request.model_extra or {}
+        out: set[str] = set()
+        for key in INCLUDE_FIELDS:
+            value = extra.get(key)
+            if value is not None:
+                out.update([value] if isinstance(value, str) else [str(v) for v in value])
+        return out
+
+    def logprobs(self, finals: Sequence[Any]) -> list[dict[str, Any]]:
+        """OpenAI's ``logprobs`` array of a json answer: per generated text token, its text, log probability and
+        UTF-8 bytes (a token may hold part of a character: its own bytes, not the decoded text's)."""
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        assert self.tokenizer is not None
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        out = []
+        for final in finals:
+            gen = final.outputs[0]
+            for token, lp in zip(gen.token_ids, gen.logprobs or [], strict=False):
+                if token >= self.eot:
+                    continue
+                piece = self.tokenizer.convert_ids_to_tokens(token)
+                raw = bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) else piece.encode()
+                entry = lp.get(token) if lp else None
+                out.append(
+                    {
+                        "token": raw.decode("utf-8", errors="replace"),
+                        "logprob": entry.logprob if entry is not None else None,
+                        "bytes": list(raw),
+                    }
+                )
+        return out
 
     def _english_only(self) -> bool:
         check = getattr(self.model_cls, "is_english_only", None)
@@ -197,15 +255,16 @@ class SpeechServing:
             prompt = {**prompt, "decoder_prompt": decoder}
         return prompt
 
-    def sampling(self, request: Any, timestamped: bool) -> Any:
+    def sampling(self, request: Any, timestamped: bool, logprobs: bool = False) -> Any:
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
         max_tokens = get_max_tokens(
             self.model_config.max_model_len, request.max_completion_tokens, 0, self.default_sampling
         )
         params = request.to_sampling_params(max_tokens, self.default_sampling)
+        if timestamped or logprobs:
+            params.logprobs = 1  # each segment's avg_logprob (the sampled token's: the decode is unchanged)
         if timestamped:
-            params.logprobs = 1  # each segment's avg_logprob
             params.extra_args = {**(params.extra_args or {}), **(self.rules or {})}
         return params
 
@@ -221,8 +280,10 @@ class SpeechServing:
         self.validate(request)
         windows, duration = await self.windows(data)
         fmt = request.response_format
-        timestamped = fmt in TIMESTAMPED
-        params = self.sampling(request, timestamped)
+        aligned = fmt in TIMESTAMPED and self.aligner is not None
+        timestamped = fmt in TIMESTAMPED and not aligned  # decoded under the timestamp rules
+        want_logprobs = fmt == "json" and "logprobs" in self.include(request)
+        params = self.sampling(request, timestamped, logprobs=aligned or want_logprobs)
         base = f"mmcpu-stt-{self.task}-{uuid.uuid4().hex}"
         ids = [f"{base}-{i}" for i in range(len(windows))]
         try:
@@ -237,11 +298,29 @@ class SpeechServing:
             await asyncio.gather(self.engine.abort(ids), return_exceptions=True)
             raise
         usage = {"type": "duration", "seconds": math.ceil(duration)}  # OpenAI rounds up
+        texts = [self.model_cls.post_process_output(f.outputs[0].text) for f in finals]
+        if aligned:
+            granularities = set(getattr(request, "timestamp_granularities", None) or [])
+            timed = await asyncio.gather(
+                *(self.align(request, w, f, t) for w, f, t in zip(windows, finals, texts, strict=True))
+            )
+            segments = [s for window_segments, _ in timed for s in window_segments]
+            if fmt in ("srt", "vtt"):
+                return formats.subtitles(segments, fmt)
+            doc = self.verbose(request, self.separator(request).join(texts), duration, segments, usage)
+            if "word" in granularities:
+                doc["words"] = [
+                    {"word": w.word, "start": w.start, "end": w.end} for _, window_words in timed for w in window_words
+                ]
+            return doc
         if not timestamped:
-            text = self.separator(request).join(self.model_cls.post_process_output(f.outputs[0].text) for f in finals)
+            text = self.separator(request).join(texts)
             if fmt == "text":
                 return text.strip() + "\n"
-            return {"text": text, **({"usage": usage} if self.task == "transcribe" else {})}
+            doc = {"text": text, **({"usage": usage} if self.task == "transcribe" else {})}
+            if want_logprobs:
+                doc["logprobs"] = self.logprobs(finals)
+            return doc
         try:
             per_window = await asyncio.gather(
                 *(
@@ -255,9 +334,15 @@ class SpeechServing:
         segments = [s for window_segments in per_window for s in window_segments]
         if fmt in ("srt", "vtt"):
             return formats.subtitles(segments, fmt)
+        # The text is its segments: the same words.
+        return self.verbose(request, "".join(s.text for s in segments).strip(), duration, segments, usage)
+
+    def verbose(
+        self, request: Any, text: str, duration: float, segments: list[formats.Segment], usage: dict[str, Any]
+    ) -> dict[str, Any]:
         temperature = request.temperature or 0.0
         doc = {
-            "text": "".join(s.text for s in segments).strip(),  # the text is its segments: the same words
+            "text": text,
             "language": request.language,
             "duration": duration,
             "segments": [s.as_openai(i, temperature) for i, s in enumerate(segments)],
@@ -265,6 +350,108 @@ class SpeechServing:
         if self.task == "transcribe":
             doc["usage"] = usage
         return doc
+
+    async def align(
+        self, request: Any, window: Window, final: Any, text: str
+    ) -> tuple[list[formats.Segment], list[Word]]:
+        """A window's segments and words from json's decode of it (``final``, whose text is ``text``): one
+        teacher-forced alignment forward of that decode's tokens in the engine (``collective_rpc``), then DTW and
+        segments cut from its words on the API server (off the event loop)."""
+        from mmcpu.whisper_align import WORKER_METHOD
+
+        assert self.aligner is not None
+        out = final.outputs[0]
+        tokens = [t for t in out.token_ids if t < self.eot]
+        if not tokens:
+            return [], []
+        loop = asyncio.get_running_loop()
+        mel, num_frames = await loop.run_in_executor(self.executor, self.aligner.features, window.audio)
+        ids, n_sot = self.aligner.alignment_tokens(final.prompt_token_ids or [], tokens)
+        heads = [list(h) for h in self.aligner.heads or []]
+        [(raw, shape)] = await self.engine.collective_rpc(
+            WORKER_METHOD, args=(mel.tobytes(), list(mel.shape), ids, heads, num_frames)
+        )
+        # Rows from <|notimestamps|> to the last text token (the <|endoftext|> row predicts nothing).
+        matrix = np.frombuffer(raw, dtype=np.float32).reshape(tuple(shape))[n_sot:-1]
+        logprobs = [
+            (lp.get(t).logprob if lp and lp.get(t) is not None else None)
+            for t, lp in zip(out.token_ids, out.logprobs or [], strict=False)
+            if t < self.eot
+        ]
+        return await loop.run_in_executor(
+            self.executor, self._aligned_segments, request, window, matrix, tokens, logprobs, text
+        )
+
+    def _aligned_segments(
+        self,
+        request: Any,
+        window: Window,
+        matrix: np.ndarray,
+        tokens: list[int],
+        logprobs: list[float | None],
+        text: str,
+    ) -> tuple[list[formats.Segment], list[Word]]:
+        from mmcpu.whisper_align import cut_long_words, split_words, token_start_times, words_for_window
+
+        assert self.aligner is not None
+        decode = self.aligner.decode
+        starts = token_start_times(matrix)
+        # Pass 1: Whisper's words with their aligned times (over-long words at sentence ends cut, so that pauses
+        # show), to find where segments end.
+        pieces = split_words(tokens, decode, request.language)
+        words, pos, bounds = [], 0, [0]
+        for piece, toks in pieces:
+            words.append(Word(piece, toks, float(starts[pos]), float(starts[pos + len(toks)])))
+            pos += len(toks)
+            bounds.append(pos)  # token index after each word
+        cut_long_words(words, [0] * len(words), None)
+        spans = formats.trim_pauses([(w.word, w.start, w.end) for w in words])
+        groups = formats.group_words(spans)
+        per_segment = [tokens[bounds[g.start] : bounds[g.stop]] for g in groups]
+        # Pass 2: OpenAI's words per segment, the words at a segment's ends corrected by its times (as Whisper).
+        duration = len(window.audio) / self.asr.sample_rate
+        timed = words_for_window(
+            matrix,
+            per_segment,
+            decode,
+            language=request.language,
+            offset=window.start,
+            duration=duration,
+            segment_times=[(spans[g.start][1], spans[g.stop - 1][2]) for g in groups],
+            starts=starts,
+        )
+        segments: list[formats.Segment] = []
+        cuts = self._text_cuts(text, tokens, [bounds[g.start] for g in groups] + [len(tokens)])
+        for index, (group, seg_words) in enumerate(zip(groups, timed, strict=True)):
+            start = seg_words[0].start if seg_words else round(window.start + spans[group.start][1], 3)
+            end = seg_words[-1].end if seg_words else round(window.start + spans[group.stop - 1][2], 3)
+            scores = [x for x in logprobs[bounds[group.start] : bounds[group.stop]] if x is not None]
+            segments.append(
+                formats.Segment(
+                    start,
+                    max(start, end),
+                    cuts[index],
+                    per_segment[index],
+                    sum(scores) / max(1, len(scores)),
+                    round(window.start * 100),
+                )
+            )
+        return segments, [w for seg_words in timed for w in seg_words]
+
+    def _text_cuts(self, text: str, tokens: list[int], at: list[int]) -> list[str]:
+        """``text`` (json's text of the window) cut before the tokens at indices ``at`` (ascending, the first 0,
+        the last len(tokens)): where the decoded prefix is a prefix of ``text``; otherwise (a text post-processed
+        unlike a plain decode) each piece is decoded on its own."""
+        assert self.aligner is not None
+        decode = self.aligner.decode
+        offsets = []
+        for index in at:
+            prefix = decode(tokens[:index]) if index else ""
+            offsets.append(len(prefix) if text.startswith(prefix) else None)
+        if offsets[-1] != len(text) or any(o is None for o in offsets):
+            return [decode(tokens[a:b]) for a, b in zip(at, at[1:], strict=False)]
+        cut = [int(o or 0) for o in offsets]
+        return [text[a:b] for a, b in zip(cut, cut[1:], strict=False)]
 
     async def seek(
         self, request: Any, params: Any, window: Window, final: Any, rid: str, ids: list[str]
