@@ -20,13 +20,16 @@
 #   make bench-gateway  mode gateway: the gateway's load test (500 clients at once, 200 slow-loris uploads, stand-in
 #                     engines) into docs/bench/results.json and docs/gateway.md; fails when a bound is broken
 #                     (make bench runs it last)
+#   make bench-stt    what timestamps cost in the speech package: verbose_json (segments, words) against json on
+#                     one 65 s clip, c=1 and c=8, both MMCPU_STT_TIMESTAMPS methods, segment starts against ground
+#                     truth (mmcpu_dev.bench.sttcost; docs/api.md; make bench runs it)
 #   make bench-quick  mode quick: the same workload at c=1,4, one round, for development; writes to
 #                     .cache/bench-quick so the committed report is not overwritten
 BENCH_VENV   ?= .cache/bench-venv
 BENCH_PYTHON ?= python3
 BENCH_ARGS   ?=
 
-.PHONY: bench bench-gateway bench-quick bench-venv bench-defaults bench-peers bench-lines
+.PHONY: bench bench-gateway bench-stt bench-quick bench-venv bench-defaults bench-peers bench-lines
 bench-venv: $(BENCH_VENV)/.installed
 
 $(BENCH_VENV)/.installed: requirements-bench.txt
@@ -37,9 +40,13 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 bench: models bench-venv
 	$(PY) -m mmcpu_dev.bench full --bench-venv $(BENCH_VENV) --peer-python $(BENCH_PYTHON) $(BENCH_ARGS)
 	$(PY) -m mmcpu_dev.bench realtime
+	$(PY) -m mmcpu_dev.bench.sttcost --out docs/bench/stt.json
 	$(PY) -m mmcpu_dev.bench gateway
 
 # No models or engines: the gateway in front of stand-ins is what is measured.
+bench-stt: models
+	$(PY) -m mmcpu_dev.bench.sttcost --out docs/bench/stt.json $(BENCH_ARGS)
+
 bench-gateway: venv
 	$(PY) -m mmcpu_dev.bench gateway $(BENCH_ARGS)
 
