@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -37,12 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
 from mmcpu import cpu
-from mmcpu_dev.servers import ServedApp
 
 AUDIO_MODEL, VISION_MODEL = "load-audio", "load-vision"
 CHAT_S = 0.05
@@ -206,41 +209,45 @@ def _count(table: dict[str, int], key: str) -> None:
     table[key] = table.get(key, 0) + 1
 
 
-async def _load(url: str, slow: int, fast: int, chat_clients: int, seconds: float, pace_s: float) -> dict[str, Any]:
-    stop, slow_stop = asyncio.Event(), asyncio.Event()
-    slow_outcome: dict[str, int] = {}
-    # Each fast client keeps its connection between requests (an expiry beyond the pace): all connected at once.
-    limits = httpx.Limits(max_connections=fast + 20, max_keepalive_connections=fast + 20, keepalive_expiry=pace_s + 30)
-    headers = {"Authorization": f"Bearer {KEY}"}
-    health_times: list[float] = []
-    health_status: dict[str, int] = {}
+async def _health_group(url: str, start_at: float, stop_at: float) -> dict[str, Any]:
+    """``/health`` every 100 ms from ``start_at`` to ``stop_at``: every answer's time."""
+    times: list[float] = []
+    status: dict[str, int] = {}
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=FINISH_S) as client:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        while time.time() < stop_at:
+            t0 = time.perf_counter()
+            try:
+                r = await client.get("/health")
+                key = str(r.status_code)
+            except httpx.HTTPError as exc:
+                key = type(exc).__name__
+            times.append(time.perf_counter() - t0)
+            _count(status, key)
+            await asyncio.sleep(0.1)
+    return {"health": (times, status)}
+
+
+async def _fast_group(
+    url: str, first: int, count: int, fast: int, chat_clients: int, pace_s: float, start_at: float, stop_at: float
+) -> dict[str, Any]:
+    """Fast clients ``first`` .. ``first + count - 1`` of ``fast``, all connected at once: a request, its answer,
+    ``pace_s`` of rest, until ``stop_at``. The first ``chat_clients`` chat with the vision engine (they fit its
+    places: each one admitted must be answered); the rest send transcriptions to the audio engine the slow clients
+    fill (the excess)."""
     chat_times: list[float] = []
     chat_status: dict[str, int] = {}
     overflow_times: list[float] = []  # the refused ones' (429/503) times: how fast the excess is turned away
     overflow_status: dict[str, int] = {}
+    # Each client keeps its connection between requests (an expiry beyond the pace): all connected at once.
+    limits = httpx.Limits(max_connections=count + 5, max_keepalive_connections=count + 5, keepalive_expiry=pace_s + 30)
+    headers = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=FINISH_S) as client:
-        slow_tasks = [asyncio.ensure_future(_slow_upload(url, slow_stop, slow_outcome)) for _ in range(slow)]
-        await asyncio.sleep(2)  # every slow client connected and holding (or refused)
-
-        async def poll_health() -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                try:
-                    r = await client.get("/health")
-                    key = str(r.status_code)
-                except httpx.HTTPError as exc:
-                    key = type(exc).__name__
-                health_times.append(time.perf_counter() - t0)
-                _count(health_status, key)
-                await asyncio.sleep(0.1)
 
         async def fast_client(i: int) -> None:
-            """One of the ``fast`` clients, all connected at once: a request, its answer, ``pace_s`` of rest, until
-            the end. The first ``chat_clients`` chat with the vision engine (they fit its places: each one admitted
-            must be answered); the rest send transcriptions to the audio engine the slow clients fill (the excess)."""
             chat = i < chat_clients
-            await asyncio.sleep(pace_s * i / max(fast, 1))  # spread over one pace: no thundering start
-            while not stop.is_set():
+            await asyncio.sleep(max(0.0, start_at - time.time()) + pace_s * i / max(fast, 1))  # no thundering start
+            while time.time() < stop_at:
                 t0 = time.perf_counter()
                 try:
                     if chat:
@@ -269,21 +276,74 @@ async def _load(url: str, slow: int, fast: int, chat_clients: int, seconds: floa
                         overflow_times.append(elapsed)
                 await asyncio.sleep(pace_s)
 
-        background = [
-            asyncio.ensure_future(poll_health()),
-            *(asyncio.ensure_future(fast_client(i)) for i in range(fast)),
-        ]
-        await asyncio.sleep(max(seconds - 2, 1))
-        stop.set()
-        await asyncio.gather(*background, return_exceptions=True)
-        slow_stop.set()  # the held uploads complete now, and each must be answered
-        await asyncio.gather(*slow_tasks, return_exceptions=True)
+        await asyncio.gather(*(fast_client(i) for i in range(first, first + count)))
+    return {"other_engine_chats": (chat_times, chat_status), "overflow": (overflow_times, overflow_status)}
+
+
+async def _slow_group(url: str, slow: int, start_at: float, release_at: float) -> dict[str, Any]:
+    outcome: dict[str, int] = {}
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    stop = asyncio.Event()
+    tasks = [asyncio.ensure_future(_slow_upload(url, stop, outcome)) for _ in range(slow)]
+    await asyncio.sleep(max(0.0, release_at - time.time()))
+    stop.set()  # the held uploads complete now, and each must be answered
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {"slow_clients": outcome}
+
+
+def _group(kind: str, cpus: list[int], *args: Any) -> dict[str, Any]:
+    """One client process's work (run in a spawned process, pinned to ``cpus``)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    groups = {"health": _health_group, "fast": _fast_group, "slow": _slow_group}
+    return asyncio.run(groups[kind](*args))
+
+
+FAST_PER_PROCESS = 150  # fast clients per client process: one Python process is far from busy at 150 / pace_s req/s
+
+
+def _load(
+    url: str, slow: int, fast: int, chat_clients: int, seconds: float, pace_s: float, cpus: list[int]
+) -> dict[str, Any]:
+    """The clients, in processes of their own (the slow uploads; the fast clients, in groups; the /health poll),
+    pinned to ``cpus``: one Python process holding every client measured its own event loop's delays, not the
+    gateway's. Every process starts its clients at the same wall-clock time, once all have started."""
+    start_at = time.time() + 5  # spawned processes import httpx and FastAPI first
+    stop_at = start_at + 2 + max(seconds - 2, 1)
+    jobs: list[tuple[Any, ...]] = [("slow", cpus, url, slow, start_at, stop_at + 1)]
+    jobs.append(("health", cpus, url, start_at + 2, stop_at))  # every slow client connected and holding (or refused)
+    for first in range(0, fast, FAST_PER_PROCESS):
+        count = min(FAST_PER_PROCESS, fast - first)
+        jobs.append(("fast", cpus, url, first, count, fast, chat_clients, pace_s, start_at + 2, stop_at))
+    merged: dict[str, Any] = {}
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=len(jobs), mp_context=context) as pool:
+        for part in [f.result() for f in [pool.submit(_group, *job) for job in jobs]]:
+            for name, value in part.items():
+                if name == "slow_clients":
+                    merged[name] = value
+                    continue
+                times, status = merged.setdefault(name, ([], {}))
+                times.extend(value[0])
+                for key, n in value[1].items():
+                    status[key] = status.get(key, 0) + n
     return {
-        "slow_clients": slow_outcome,
-        "health": {**_summary(health_times), "status": health_status},
-        "overflow": {**_summary(overflow_times), "status": overflow_status},
-        "other_engine_chats": {**_summary(chat_times), "status": chat_status},
+        "slow_clients": merged["slow_clients"],
+        **{
+            name: {**_summary(merged.get(name, ([], {}))[0]), "status": merged.get(name, ([], {}))[1]}
+            for name in ("health", "overflow", "other_engine_chats")
+        },
     }
+
+
+# A refusal as the gateway's own log line records it (mmcpu/gateway/middleware.py): its time from the request's
+# arrival to the answer's end, with no client in it.
+_REFUSAL = re.compile(r" POST /v1/audio/transcriptions (429|503) ([0-9.]+)ms ")
+
+
+def gateway_refusals(log: Path) -> dict[str, float]:
+    """The refused transcriptions' times as the gateway logged them."""
+    return _summary([float(m.group(2)) / 1000 for m in map(_REFUSAL.search, log.read_text().splitlines()) if m])
 
 
 # The bounds a run must keep (docs/gateway.md; issue "Safe to expose"). The RSS bound is about 3x what the full-size
@@ -328,6 +388,48 @@ def verdict(result: dict[str, Any], bounds: dict[str, float] = BOUNDS) -> list[s
     return broken
 
 
+def _pin(pid: int, cpus: list[int]) -> None:
+    """Pin every thread of ``pid`` (threads started later inherit it from theirs)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+@contextlib.contextmanager
+def stand_in_process(model: str, cpus: list[int]) -> Iterator[str]:
+    """A stand-in engine in a process of its own (``python -m mmcpu_dev.gateway_load --stand-in``): its url."""
+    port = _free_port()
+    command = [sys.executable, "-m", "mmcpu_dev.gateway_load", "--stand-in", model, "--port", str(port)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the stand-in {model} did not start: {proc.stderr.read() if proc.stderr else ''}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        _pin(proc.pid, cpus)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def placement() -> tuple[list[int], list[int]]:
+    """(the gateway's CPUs, everyone else's): on two CPUs or more the gateway gets the first alone - it is one
+    process with one event loop, so one core is all it can use, as a deployment gives it - and the clients and
+    stand-ins the rest, so that they do not delay the gateway and the times measure it. On one CPU, shared."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[:1], cpus[1:]) if len(cpus) >= 2 else (cpus, cpus)
+
+
 def run(
     slow: int = 200,
     fast: int = 300,
@@ -347,14 +449,16 @@ def run(
         "queue_timeout_s": seconds + 30,
     } | settings
     load_before = os.getloadavg()[0]
-    audio, vision = ServedApp(stand_in(AUDIO_MODEL)), ServedApp(stand_in(VISION_MODEL))
-    try:
-        with gateway_process(f"audio={audio.url},vision={vision.url}", log, **settings) as (url, pid):
-            result = asyncio.run(_load(url, slow, fast, chat_clients, seconds, pace_s))
-            result["gateway_peak_rss_mib"] = round(_peak_rss_mib(pid), 1)
-    finally:
-        audio.stop()
-        vision.stop()
+    gateway_cpus, client_cpus = placement()
+    with (
+        stand_in_process(AUDIO_MODEL, client_cpus) as audio,
+        stand_in_process(VISION_MODEL, client_cpus) as vision,
+        gateway_process(f"audio={audio},vision={vision}", log, **settings) as (url, pid),
+    ):
+        _pin(pid, gateway_cpus)
+        result = _load(url, slow, fast, chat_clients, seconds, pace_s, client_cpus)
+        result["gateway_peak_rss_mib"] = round(_peak_rss_mib(pid), 1)
+    result["overflow"]["gateway_side"] = gateway_refusals(log)
     load_after = os.getloadavg()[0]
     return {
         "date": time.strftime("%Y-%m-%d"),
@@ -368,6 +472,7 @@ def run(
         "chat_clients": chat_clients,
         "pace_s": pace_s,
         "seconds": seconds,
+        "placement": {"gateway_cpus": gateway_cpus, "client_cpus": client_cpus},
         "settings": settings,
         **result,
     }
@@ -380,7 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-clients", type=int, default=20)
     parser.add_argument("--pace-s", type=float, default=PACE_S)
     parser.add_argument("--seconds", type=float, default=15)
+    parser.add_argument("--stand-in", metavar="MODEL", help="serve one stand-in engine (run() starts two)")
+    parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.stand_in:
+        uvicorn.run(stand_in(args.stand_in), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+        return 0
     result = run(args.slow, args.fast, args.seconds, chat_clients=args.chat_clients, pace_s=args.pace_s)
     result["broken"] = verdict(result)
     print(json.dumps(result, indent=2))

@@ -27,6 +27,18 @@ def render(r: dict[str, Any]) -> str:
     def statuses(x: dict[str, Any]) -> str:
         return ", ".join(f"{k}: {n}" for k, n in sorted(x.items()))
 
+    def placed(p: dict[str, list[int]] | None) -> str:
+        if not p:
+            return "The clients, the gateway and the stand-ins share the same CPUs."
+        if p["gateway_cpus"] == p["client_cpus"]:
+            return f"The clients, the gateway and the stand-ins share CPU {p['gateway_cpus']}."
+        return (
+            f"The gateway (one process, one event loop) is pinned to CPU {p['gateway_cpus'][0]}; the clients "
+            f"(processes of their own: the slow uploads, the fast clients in groups of "
+            f"{gateway_load.FAST_PER_PROCESS}, the `/health` poll) and the two stand-in engines to "
+            f"CPU {', '.join(map(str, p['client_cpus']))}."
+        )
+
     s = r["settings"]
     b = r["bounds"]
     return "\n".join(
@@ -36,14 +48,16 @@ def render(r: dict[str, Any]) -> str:
             f"{r['clients']} clients at once for {r['seconds']:g} s: {r['slow']} slow-loris uploads, "
             f"{r['fast']} clients pacing {r['pace_s']:g} s between requests ({r['chat_clients']} of them chatting "
             f"with the other engine); `MMCPU_ENGINE_CONCURRENCY={s['engine_concurrency']}`, "
-            f"`MMCPU_ENGINE_QUEUE={s['engine_queue']}`. Times are as the clients saw them: the clients (one Python "
-            "process), the gateway and the stand-ins share the same CPUs.",
+            f"`MMCPU_ENGINE_QUEUE={s['engine_queue']}`. {placed(r.get('placement'))} Times are as the clients saw "
+            "them; the refusals also as the gateway logged them (arrival to answer, no client in it).",
             "",
             "| What | Result | Bound |",
             "|---|---|---|",
             f"| slow uploads | {statuses(r['slow_clients'])} | each held one answered once complete |",
             f"| transcriptions to the full engine | {statuses(r['overflow']['status'])}; refused in "
-            f"{times(r['overflow'])} | refused p99 ≤ {b['reject_p99_ms']:g} ms, none unanswered |",
+            f"{times(r['overflow'])} (as the gateway logged every refusal, the slow uploads' opening burst "
+            f"included: {times(r['overflow'].get('gateway_side', {}))}) | "
+            f"refused p99 ≤ {b['reject_p99_ms']:g} ms, none unanswered |",
             f"| `/health` (every 100 ms) | {statuses(r['health']['status'])}: {times(r['health'])} | "
             f"each 200 in < {b['health_max_ms']:g} ms |",
             f"| chats to the other engine | {statuses(r['other_engine_chats']['status'])}: "
