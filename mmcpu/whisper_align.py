@@ -72,18 +72,35 @@ def worker_cross_attention(
     tokens: Sequence[int],
     heads: Sequence[Sequence[int]],
     num_frames: int,
-) -> tuple[bytes, tuple[int, int]]:
+    no_speech: int | None = None,
+) -> tuple[bytes, tuple[int, int]] | tuple[bytes, tuple[int, int], float]:
     """vLLM's CPU worker method (see :mod:`mmcpu.plugin`): the head-averaged, filtered cross-attention matrix
     (len(tokens) x num_frames // 2) of ``tokens`` over the window's log-mel ``features`` (float32 bytes of
-    ``shape``, mel bins x 3000). Arrays travel as raw float32 bytes: vLLM's utility calls carry no array types."""
+    ``shape``, mel bins x 3000). Arrays travel as raw float32 bytes: vLLM's utility calls carry no array types.
+    With ``no_speech`` (the ``<|nospeech|>`` token id) a third item: that token's probability after
+    ``tokens[0]`` (``<|startoftranscript|>``), openai-whisper's ``no_speech_prob``, from the same encoder pass;
+    ``tokens`` may then be that one token alone (no alignment: an empty matrix)."""
     mel = np.frombuffer(features, dtype=np.float32).reshape(tuple(shape))
-    matrix = cross_attention(worker.model_runner.get_model(), mel, tokens, heads, num_frames)
-    return matrix.tobytes(), (int(matrix.shape[0]), int(matrix.shape[1]))
+    matrix, probability = cross_attention(
+        worker.model_runner.get_model(), mel, tokens, heads, num_frames, no_speech=no_speech
+    )
+    shape_out = (int(matrix.shape[0]), int(matrix.shape[1]))
+    if no_speech is None:
+        return matrix.tobytes(), shape_out
+    return matrix.tobytes(), shape_out, float(probability if probability is not None else float("nan"))
 
 
 def cross_attention(
-    model: Any, features: Any, tokens: Sequence[int], heads: Sequence[Sequence[int]], num_frames: int
-) -> np.ndarray:
+    model: Any,
+    features: Any,
+    tokens: Sequence[int],
+    heads: Sequence[Sequence[int]],
+    num_frames: int,
+    *,
+    no_speech: int | None = None,
+) -> tuple[np.ndarray, float | None]:
+    """The alignment matrix (empty when ``tokens`` is ``<|startoftranscript|>`` alone) and, with ``no_speech``,
+    the probability of that token after ``tokens[0]``."""
     import torch
 
     if not (hasattr(model, "model") and hasattr(model.model, "encoder") and hasattr(model.model, "decoder")):
@@ -101,6 +118,9 @@ def cross_attention(
         mel = torch.as_tensor(np.asarray(features)).to(dtype)
         # The encoder exactly as the engine runs it (its attention needs no forward context).
         audio = model.model.get_encoder_outputs([mel])[0]  # (1500, d)
+        probability = None if no_speech is None else _no_speech_probability(model, audio, int(tokens[0]), no_speech)
+        if len(tokens) < 2:
+            return np.zeros((0, n_audio), dtype=np.float32), probability
         ids = torch.as_tensor(list(tokens), dtype=torch.long)
         hidden = decoder.embed_tokens(ids) + decoder.embed_positions.weight[: len(ids)]
         weights: dict[tuple[int, int], torch.Tensor] = {}
@@ -120,7 +140,25 @@ def cross_attention(
         std, mean = torch.std_mean(w, dim=-2, keepdim=True, correction=0)
         w = (w - mean) / std.clamp_min(1e-12)
         w = median_filter(w, MEDIAN_FILTER_WIDTH)
-        return w.mean(dim=0).numpy().astype(np.float32)
+        return w.mean(dim=0).numpy().astype(np.float32), probability
+
+
+def _no_speech_probability(model: Any, audio: Any, sot: int, no_speech: int) -> float:
+    """openai-whisper's ``no_speech_prob``: the softmax, at ``<|startoftranscript|>``'s position, of the
+    ``<|nospeech|>`` token - the whole decoder over that one token (its logits depend on nothing after it), with the
+    engine's own layers and output projection."""
+    import torch
+
+    decoder = model.model.decoder
+    ids = torch.as_tensor([sot], dtype=torch.long)
+    hidden = decoder.embed_tokens(ids) + decoder.embed_positions.weight[:1]
+    for layer in decoder.layers:
+        hidden = hidden + _self_attention(layer.self_attn, layer.self_attn_layer_norm(hidden))
+        out, _ = _cross_attention(layer.encoder_attn, layer.encoder_attn_layer_norm(hidden), audio)
+        hidden = hidden + out
+        hidden = hidden + layer.mlp(layer.final_layer_norm(hidden))
+    logits = model.compute_logits(decoder.layer_norm(hidden))
+    return float(torch.softmax(logits[0].float(), dim=-1)[no_speech])
 
 
 def _self_attention(attn: Any, x: Any) -> Any:
