@@ -103,6 +103,31 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
+def _served(command: list[str], port: int, log: Path, what: str, env: dict[str, str] | None = None) -> Iterator[int]:
+    """``command`` (a server on 127.0.0.1:``port``, output into ``log``) until its /health answers 200: its pid;
+    stopped on exit."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start: {log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
 def gateway_process(engines: str, log: Path, **settings: Any) -> Iterator[tuple[str, int]]:
     """The real gateway entry point in its own process on loopback: (url, pid)."""
     port = _free_port()
@@ -113,26 +138,8 @@ def gateway_process(engines: str, log: Path, **settings: Any) -> Iterator[tuple[
         "MMCPU_API_KEY": KEY,
         **{f"MMCPU_{k.upper()}": str(v) for k, v in settings.items()},
     }
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mmcpu.gateway"], env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not start: {log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with _served([sys.executable, "-m", "mmcpu.gateway"], port, log, "the gateway", env) as pid:
+        yield f"http://127.0.0.1:{port}", pid
 
 
 def _peak_rss_mib(pid: int) -> float:
@@ -396,30 +403,14 @@ def _pin(pid: int, cpus: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def stand_in_process(model: str, cpus: list[int]) -> Iterator[str]:
-    """A stand-in engine in a process of its own (``python -m mmcpu_dev.gateway_load --stand-in``): its url."""
+def stand_in_process(model: str, cpus: list[int], log: Path) -> Iterator[str]:
+    """A stand-in engine in a process of its own (``python -m mmcpu_dev.gateway_load --stand-in``), pinned to
+    ``cpus``: its url."""
     port = _free_port()
     command = [sys.executable, "-m", "mmcpu_dev.gateway_load", "--stand-in", model, "--port", str(port)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the stand-in {model} did not start: {proc.stderr.read() if proc.stderr else ''}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
-        _pin(proc.pid, cpus)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with _served(command, port, log, f"the stand-in {model}") as pid:
+        _pin(pid, cpus)
+        yield f"http://127.0.0.1:{port}"
 
 
 def placement() -> tuple[list[int], list[int]]:
@@ -451,8 +442,8 @@ def run(
     load_before = os.getloadavg()[0]
     gateway_cpus, client_cpus = placement()
     with (
-        stand_in_process(AUDIO_MODEL, client_cpus) as audio,
-        stand_in_process(VISION_MODEL, client_cpus) as vision,
+        stand_in_process(AUDIO_MODEL, client_cpus, log.with_name(f"{log.stem}-{AUDIO_MODEL}.log")) as audio,
+        stand_in_process(VISION_MODEL, client_cpus, log.with_name(f"{log.stem}-{VISION_MODEL}.log")) as vision,
         gateway_process(f"audio={audio},vision={vision}", log, **settings) as (url, pid),
     ):
         _pin(pid, gateway_cpus)
