@@ -76,13 +76,20 @@ class SttPlugin:
         async def serve(raw_request: Request, request: Any, task: str) -> Response:
             serving = self.serving.get(task)
             reason = "engine" if serving is None else serving.delegation(request)
-            if reason is None:
-                response = await own(raw_request=raw_request, request=request, task=task)
-                response.headers[ROUTE_HEADER] = "plugin"
-                return response
-            logger.debug("mmcpu_stt hands %s to vLLM's serving: %s", PATHS[task], reason)
-            response = await self.core_endpoints[task](raw_request=raw_request, request=request)
-            response.headers[ROUTE_HEADER] = f"vllm; reason={reason}"
+            route = "plugin" if reason is None else f"vllm; reason={reason}"
+            try:
+                if reason is None:
+                    response = await own(raw_request=raw_request, request=request, task=task)
+                else:
+                    logger.debug("mmcpu_stt hands %s to vLLM's serving: %s", PATHS[task], reason)
+                    response = await self.core_endpoints[task](raw_request=raw_request, request=request)
+            except Exception as exc:
+                # The app's own handler (vLLM's: OpenAI's error schema) answers, with the route header too.
+                handler = _handler(raw_request.app, exc)
+                if handler is None:
+                    raise
+                response = await handler(raw_request, exc)
+            response.headers[ROUTE_HEADER] = route
             return response
 
         @router.post(PATHS["transcriptions"])
@@ -106,6 +113,15 @@ class SttPlugin:
         if isinstance(result, str):
             return PlainTextResponse(result)
         return JSONResponse(result)
+
+
+def _handler(app: Any, exc: Exception) -> Any:
+    """The app's exception handler for ``exc`` (the nearest class in its MRO), or None."""
+    handlers = getattr(app, "exception_handlers", {})
+    for cls in type(exc).__mro__:
+        if cls in handlers:
+            return handlers[cls]
+    return None
 
 
 def factory() -> SttPlugin:
