@@ -5,6 +5,7 @@ keeps that route's endpoint (and, from ``init_state``, vLLM's serving objects) t
 does not cover. With ``MMCPU_STT_ROUTES=vllm`` it attaches nothing, so vLLM's routes stay exactly as they are."""
 
 # No `from __future__ import annotations`: FastAPI must read the routes' Form() annotations, made in router().
+import json
 import logging
 from argparse import Namespace
 from typing import Annotated, Any
@@ -13,11 +14,12 @@ from fastapi import APIRouter, FastAPI, Form, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
-from mmcpu.stt import PLUGIN_NAME, ROUTE_HEADER
+from mmcpu.stt import PLUGIN_NAME, ROUTE_HEADER, formats
 from mmcpu.stt.serving import TASKS, SpeechServing
 
 logger = logging.getLogger(__name__)
 PATHS = {task: f"/v1/audio/{task}" for task in TASKS}
+PLAIN_TEXT = ("text", "srt", "vtt")  # OpenAI's formats that vLLM's own serving does not generate
 
 
 def _enabled() -> bool:
@@ -82,7 +84,7 @@ class SttPlugin:
                     response = await own(raw_request=raw_request, request=request, task=task)
                 else:
                     logger.debug("mmcpu_stt hands %s to vLLM's serving: %s", PATHS[task], reason)
-                    response = await self.core_endpoints[task](raw_request=raw_request, request=request)
+                    response = await self.delegate(raw_request, request, task)
             except Exception as exc:
                 # The app's own handler (vLLM's: OpenAI's error schema) answers, with the route header too.
                 handler = _handler(raw_request.app, exc)
@@ -101,6 +103,26 @@ class SttPlugin:
             return await serve(raw_request, request, "translations")
 
         return router
+
+    async def delegate(self, raw_request: Request, request: Any, task: str) -> Response:
+        """vLLM's serving answers. It generates json / verbose_json only: text, srt and vtt are asked of it as json /
+        verbose_json and rendered here, as the package renders its own."""
+        fmt = request.response_format
+        if fmt not in PLAIN_TEXT or request.stream:
+            response: Response = await self.core_endpoints[task](raw_request=raw_request, request=request)
+            return response
+        request.response_format = "json" if fmt == "text" else "verbose_json"
+        response = await self.core_endpoints[task](raw_request=raw_request, request=request)
+        if response.status_code != 200:
+            return response
+        doc = json.loads(bytes(response.body))
+        if fmt == "text":
+            return PlainTextResponse(str(doc.get("text", "")).strip() + "\n")
+        segments = [
+            formats.Segment(float(s["start"]), float(s["end"]), str(s["text"]), [], 0.0, 0)
+            for s in doc.get("segments") or []
+        ]
+        return PlainTextResponse(formats.subtitles(segments, fmt))
 
     @staticmethod
     async def answer(serving: SpeechServing, request: Any) -> Response:
