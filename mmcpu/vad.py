@@ -1,7 +1,7 @@
 """Voice-activity chunking for speech-to-text (``chunking_strategy``): Silero VAD before the engine.
 
-vLLM's speech-to-text serving (patches/0023) calls this in its API-server process, on the thread pool where it
-already decodes audio. Long audio is then cut at pauses instead of at fixed 30 s, and only speech is encoded:
+The speech package (mmcpu.stt) calls this in vLLM's API-server process, on the thread pool where it already
+decodes audio. Long audio is then cut at pauses instead of at fixed 30 s, and only speech is encoded:
 
 1. :func:`speech_probabilities`: Silero VAD v6 (faster-whisper 1.2.1's packaged ONNX file, MIT; fetched by
    ``python -m mmcpu_dev.fixtures silero-vad`` into ``MMCPU_MODELS_DIR/silero-vad/``) over 512-sample frames at

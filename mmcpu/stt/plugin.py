@@ -17,7 +17,7 @@ from fastapi.routing import APIRoute
 from mmcpu.stt import PLUGIN_NAME, ROUTE_HEADER, formats
 from mmcpu.stt.serving import TASKS, SpeechServing
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handlers: in the engine's log
 PATHS = {task: f"/v1/audio/{task}" for task in TASKS}
 PLAIN_TEXT = ("text", "srt", "vtt")  # OpenAI's formats that vLLM's own serving does not generate
 

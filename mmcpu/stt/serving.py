@@ -32,7 +32,7 @@ from mmcpu.stt import formats
 from mmcpu.stt.protocol import StreamInputTokenDetails, StreamUsage, TextDeltaEvent, TextDoneEvent
 from mmcpu.whisper_align import Word
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handlers: in the engine's log
 TASKS = {"transcriptions": "transcribe", "translations": "translate"}
 # What the package answers itself; only LoRA / unknown model names, diarized_json and beam search with json / text
 # (and an engine that can time nothing) go to vLLM's serving, with the reason in the route header.
@@ -109,6 +109,7 @@ class SpeechServing:
         self.default_vad = vad.default_strategy(sorted(self.served_names))
         if self.default_vad is not None:
             vad.session()  # MMCPU_VAD_DEFAULT: a missing ONNX file fails the start, not a request
+            logger.info("Voice-activity chunking is the default (MMCPU_VAD_DEFAULT).")
         self.tokenizer = None
         self.rules: dict[str, Any] | None = None
         if self.whisper:
