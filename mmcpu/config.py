@@ -150,8 +150,8 @@ class Settings(BaseSettings):
         "plugin",
         description="who answers POST /v1/audio/transcriptions and /translations on a speech engine. plugin = the "
         "mmcpu.stt package (a vllm.endpoint_plugins route; the launcher sets VLLM_PLUGINS=mmcpu,mmcpu_stt for speech "
-        "engines and refuses to start one without it): it serves the speech API and hands LoRA / unknown model names, "
-        "diarized_json and beam search with json / text to vLLM's serving (docs/api.md#the-speech-package). vllm = "
+        "engines and refuses to start one without it): it serves the speech API and hands LoRA / unknown model names "
+        "and diarized_json to vLLM's serving (docs/api.md#the-speech-package). vllm = "
         "opt out: vLLM's own speech serving (no chunking_strategy, timestamps of vLLM's own, vLLM's stream chunks)",
     )
     stt_timestamps: Literal["align", "decode"] = Field(

@@ -46,6 +46,16 @@ class SttPlugin:
                 if isinstance(route, APIRoute) and route.path == path and "POST" in route.methods:
                     self.core_endpoints[task] = route.endpoint
         app.include_router(self.router())
+        paths = set(PATHS.values())
+
+        @app.middleware("http")
+        async def route_header(request: Request, call_next: Any) -> Response:
+            # Requests refused while vLLM's request model parses the form never reach the route: name it too.
+            response: Response = await call_next(request)
+            if request.url.path in paths and ROUTE_HEADER not in response.headers:
+                response.headers[ROUTE_HEADER] = "plugin"
+            return response
+
         self.attached = True
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

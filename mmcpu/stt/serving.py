@@ -34,14 +34,14 @@ from mmcpu.whisper_align import Word
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handlers: in the engine's log
 TASKS = {"transcriptions": "transcribe", "translations": "translate"}
-# What the package answers itself; only LoRA / unknown model names, diarized_json and beam search with json / text
-# (and an engine that can time nothing) go to vLLM's serving, with the reason in the route header.
+# What the package answers itself; only LoRA / unknown model names and diarized_json (and an engine that can time
+# nothing) go to vLLM's serving, with the reason in the route header.
 COVERED = {
     "response_format": ("json", "text", "verbose_json", "srt", "vtt"),
     "stream": "json and text, as transcript.text.delta / transcript.text.done events (running usage on each delta "
     "with stream_include_usage + stream_continuous_usage_stats)",
     "timestamp_granularities": "segment; word with MMCPU_STT_TIMESTAMPS=align (verbose_json)",
-    "sampling": "greedy or sampled (temperature, top_p, top_k, min_p, penalties, seed); beam search: vLLM's serving",
+    "sampling": "greedy or sampled (temperature, top_p, top_k, min_p, penalties, seed); beam search: a 400",
     "audio": "any length vLLM decodes: 30 s windows cut as vLLM cuts them, or speech-only windows (chunking_strategy)",
     "language": "given, English for English-only models, else detected from the first window",
     "include[]": "logprobs, with json (OpenAI's logprobs array: token, logprob, bytes)",
@@ -142,25 +142,7 @@ class SpeechServing:
             return "response_format"  # diarized_json
         if fmt in TIMESTAMPED and self.aligner is None and self.rules is None:
             return "timestamp_rules"  # the engine runs without the processor and the model has no alignment heads
-        if request.use_beam_search and self.beam_delegable(request):
-            return "use_beam_search"
         return None
-
-    def beam_delegable(self, request: Any) -> bool:
-        """Beam search as vLLM's serving does it well: json / text, whole, fixed windows, nothing it would ignore."""
-        from mmcpu import vad
-
-        try:
-            strategy = vad.request_strategy(request.model_extra, self.default_vad)
-        except vad.StrategyError:
-            return False  # the package answers the 400
-        return (
-            request.response_format in ("json", "text")
-            and not request.stream
-            and strategy is None
-            and not self.include(request)
-            and not getattr(request, "timestamp_granularities", None)
-        )
 
     def check(self, request: Any) -> Any:
         """400s (OpenAI's error schema, naming the parameter) for what the package does not serve; returns the
@@ -175,10 +157,11 @@ class SpeechServing:
         except vad.StrategyError as exc:
             raise VLLMValidationError(str(exc), parameter=vad.PARAM) from None
         if request.use_beam_search:
+            # vLLM's serving has beam search, but for Whisper it runs one engine request (the encoder included)
+            # per token and does not stop at the end of the text: tens of seconds and "[Music]" to the token limit
+            # on a 4 s clip (docs/api.md#the-speech-package). Timestamps, streams and VAD windows need a decode.
             raise VLLMValidationError(
-                "use_beam_search is served for response_format json and text only, not streamed, without "
-                "chunking_strategy (or MMCPU_VAD_DEFAULT), include[] or timestamp_granularities: timestamps, "
-                "streams and voice-activity windows come from a greedy or sampled decode",
+                "use_beam_search is not served: Whisper is decoded greedily (temperature 0) or sampled",
                 parameter="use_beam_search",
             )
         if request.stream and fmt not in ("json", "text"):
