@@ -310,7 +310,7 @@ def test_handed_to_vllm(stt_engine, clips, fields, reason):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"response_format": "srt", "timestamp_granularities[]": "word"}, "timestamp_granularities"),
+        ({"response_format": "text", "timestamp_granularities[]": "word"}, "timestamp_granularities"),
         ({"timestamp_granularities[]": "segment"}, "timestamp_granularities"),  # json
         ({"response_format": "verbose_json", "stream": "true"}, "response_format"),
         ({"chunking_strategy": "sometimes"}, "chunking_strategy"),

@@ -175,12 +175,13 @@ class SpeechServing:
                 f"timestamp_granularities takes 'segment' and 'word', not {sorted(granularities)}",
                 parameter="timestamp_granularities",
             )
-        if granularities and fmt != "verbose_json":
+        if granularities and fmt not in TIMESTAMPED:
             raise VLLMValidationError(
                 f"timestamp_granularities needs response_format 'verbose_json', not {fmt!r}",
                 parameter="timestamp_granularities",
             )
-        if "word" in granularities and self.aligner is None:
+        # srt / vtt are rendered from the segments: a granularity changes nothing there.
+        if "word" in granularities and fmt == "verbose_json" and self.aligner is None:
             raise VLLMValidationError(
                 "timestamp_granularities 'word' needs the alignment method (MMCPU_STT_TIMESTAMPS=align) and a model "
                 "whose generation config has alignment_heads",
@@ -421,7 +422,8 @@ class SpeechServing:
             segments = [s for window_segments, _ in timed for s in window_segments]
             if fmt in ("srt", "vtt"):
                 return formats.subtitles(segments, fmt)
-            doc = self.verbose(request, self.separator(request).join(texts), duration, segments, usage)
+            # The text is its segments (json's window texts cut at words): json's words, no leading space.
+            doc = self.verbose(request, "".join(s.text for s in segments).strip(), duration, segments, usage)
             if "word" in granularities:
                 doc["words"] = [
                     {"word": w.word, "start": w.start, "end": w.end} for _, window_words in timed for w in window_words
