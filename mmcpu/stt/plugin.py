@@ -74,9 +74,15 @@ class SttPlugin:
 
     # --- routes -----------------------------------------------------------------------------------------------------
     def router(self) -> APIRouter:
+        from pydantic import Field
         from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
         from vllm.entrypoints.speech_to_text.transcription.protocol import TranscriptionRequest
         from vllm.entrypoints.speech_to_text.translation.protocol import TranslationRequest
+
+        class Transcription(TranscriptionRequest):
+            # Any value parses, so that an unknown one is the package's 400 naming timestamp_granularities (vLLM's
+            # Literal would be a validation error naming "body.0").
+            timestamp_granularities: list[str] = Field(alias="timestamp_granularities[]", default=[])
 
         router = APIRouter()
 
@@ -105,7 +111,7 @@ class SttPlugin:
             return response
 
         @router.post(PATHS["transcriptions"])
-        async def transcriptions(raw_request: Request, request: Annotated[TranscriptionRequest, Form()]) -> Response:
+        async def transcriptions(raw_request: Request, request: Annotated[Transcription, Form()]) -> Response:
             return await serve(raw_request, request, "transcriptions")
 
         @router.post(PATHS["translations"])

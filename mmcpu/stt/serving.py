@@ -138,6 +138,8 @@ class SpeechServing:
             return "model"
         if request.model and request.model not in self.served_names:
             return "model"  # LoRA adapters and unknown names: vLLM's serving resolves or refuses them
+        if request.stream and fmt not in ("json", "text"):
+            return None  # the package's 400 naming response_format: no format but text streams
         if fmt not in COVERED["response_format"]:
             return "response_format"  # diarized_json
         if fmt in TIMESTAMPED and self.aligner is None and self.rules is None:
