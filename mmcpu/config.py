@@ -142,16 +142,17 @@ class Settings(BaseSettings):
         description="served model names (comma-separated; '*' = every speech engine) whose transcriptions and "
         "translations without chunking_strategy get 'auto': Silero VAD, only speech encoded, long audio cut at "
         "pauses (docs/api.md#voice-activity-chunking). Unset = vLLM's fixed 30 s windows. Per role: set it in that "
-        "role's service. vLLM's API server reads it (patches/0023)",
+        "role's service. The mmcpu.stt package reads it at start (MMCPU_STT_ROUTES=plugin)",
         json_schema_extra={"doc_default": "unset"},
     )
 
-    stt_routes: Literal["vllm", "plugin"] = Field(
-        "vllm",
-        description="who answers POST /v1/audio/transcriptions and /translations on a speech engine. vllm = vLLM's "
-        "patched speech serving. plugin = the mmcpu.stt package (a vllm.endpoint_plugins route; the launcher then "
-        "sets VLLM_PLUGINS=mmcpu,mmcpu_stt and refuses to start without it): it serves what it covers (docs/api.md"
-        "#the-speech-package) and hands every other request to vLLM's serving unchanged",
+    stt_routes: Literal["plugin", "vllm"] = Field(
+        "plugin",
+        description="who answers POST /v1/audio/transcriptions and /translations on a speech engine. plugin = the "
+        "mmcpu.stt package (a vllm.endpoint_plugins route; the launcher sets VLLM_PLUGINS=mmcpu,mmcpu_stt for speech "
+        "engines and refuses to start one without it): it serves the speech API and hands LoRA / unknown model names "
+        "and diarized_json to vLLM's serving (docs/api.md#the-speech-package). vllm = "
+        "opt out: vLLM's own speech serving (no chunking_strategy, timestamps of vLLM's own, vLLM's stream chunks)",
     )
     stt_timestamps: Literal["align", "decode"] = Field(
         "align",

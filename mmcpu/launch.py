@@ -112,10 +112,11 @@ def cxx_compiler(env: dict[str, str] | None = None) -> str | None:
     return shutil.which((env if env is not None else os.environ).get("CXX") or "g++")
 
 
-def preflight(settings: Settings, env: dict[str, str] | None = None) -> str | None:
+def preflight(settings: Settings, env: dict[str, str] | None = None, kinds: tuple[str, ...] = ("audio",)) -> str | None:
     """Why this engine cannot start here (one line), or None. Settings that would fail minutes into start-up
     (inductor compiling during vLLM's profile run) are refused before anything starts, and so is an MRV2 engine
-    whose kernels would not all run natively (:func:`kernels_preflight`)."""
+    whose kernels would not all run natively (:func:`kernels_preflight`). ``kinds``: of the engines to start (the
+    speech package's plugin is checked only when a speech engine is among them)."""
     if not cxx_compiler(env):
         if settings.runner == "v1":
             return (
@@ -133,7 +134,7 @@ def preflight(settings: Settings, env: dict[str, str] | None = None) -> str | No
             f"VLLM_PLUGINS={plugins!r} leaves out 'mmcpu', the plugin that registers the media connector "
             f"(VLLM_MEDIA_CONNECTOR={MEDIA_CONNECTOR}) and installs MRV2's native kernels; add it"
         )
-    if settings.stt_routes == "plugin" and (reason := stt_plugin_preflight()):
+    if settings.stt_routes == "plugin" and "audio" in kinds and (reason := stt_plugin_preflight()):
         return reason
     if settings.runner == "v2" and settings.triton_interpret:
         return kernels_preflight(settings)
@@ -397,11 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     if args.runner:
         settings = settings.model_copy(update={"runner": args.runner})
-    if reason := preflight(settings):
-        print(f"[mmcpu] refusing to start: {reason}", file=sys.stderr, flush=True)
-        return 2
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     spec = EngineSpec("engine", args.model, args.port, tuple(extra), served_model_name=args.served_model_name)
+    if reason := preflight(settings, kinds=(spec.kind,)):
+        print(f"[mmcpu] refusing to start: {reason}", file=sys.stderr, flush=True)
+        return 2
     try:
         chosen = spec.choose(settings, from_table=False)
     except defaults.Refused as exc:
@@ -426,11 +427,11 @@ def entrypoint(argv: list[str] | None = None) -> int:
     parser.add_argument("role", choices=health.roles(settings))
     args = parser.parse_args(argv)
     health.write_role(args.role, ROLE_FILE)  # the health check in this container reads which ports must answer
-    if args.role != health.GATEWAY and (reason := preflight(settings)):
+    specs = role_specs(args.role, settings)
+    if args.role != health.GATEWAY and (reason := preflight(settings, kinds=tuple(s.kind for s in specs))):
         print(f"[mmcpu] {args.role}: refusing to start: {reason}", file=sys.stderr, flush=True)
         return 2
     log_cpu(args.role)
-    specs = role_specs(args.role, settings)
     try:
         chosen = {spec.name: spec.choose(settings) for spec in specs}
     except defaults.Refused as exc:

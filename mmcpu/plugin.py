@@ -12,7 +12,7 @@ registers :class:`mmcpu.media.connector.PolicyMediaConnector` in its ``MEDIA_CON
 be imported - only a process that builds a CPU worker imports it: the EngineCore with the uniproc executor, the
 worker with ``mp``; never the API server. Then, whatever the runner, it adds one method to ``CPUWorker``,
 :data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention pass of Whisper's word timestamps, which the API server
-calls with ``collective_rpc`` (patches/0022). Whisper's feature extractor, wherever it is imported, computes its
+calls with ``collective_rpc`` (mmcpu.stt). Whisper's feature extractor, wherever it is imported, computes its
 log-mel frames only up to the clip's end (:mod:`mmcpu.features`: the same features, bit for bit). With
 ``TRITON_INTERPRET=1`` (without it there is no interpreter to replace) it also wraps three methods of
 ``CPUWorker``:

@@ -1,7 +1,7 @@
 """Voice-activity chunking for speech-to-text (``chunking_strategy``): Silero VAD before the engine.
 
-vLLM's speech-to-text serving (patches/0023) calls this in its API-server process, on the thread pool where it
-already decodes audio. Long audio is then cut at pauses instead of at fixed 30 s, and only speech is encoded:
+The speech package (mmcpu.stt) calls this in vLLM's API-server process, on the thread pool where it already
+decodes audio. Long audio is then cut at pauses instead of at fixed 30 s, and only speech is encoded:
 
 1. :func:`speech_probabilities`: Silero VAD v6 (faster-whisper 1.2.1's packaged ONNX file, MIT; fetched by
    ``python -m mmcpu_dev.fixtures silero-vad`` into ``MMCPU_MODELS_DIR/silero-vad/``) over 512-sample frames at
@@ -68,6 +68,8 @@ class Options:
 
 AUTO = Options()
 # OpenAI's server_vad defaults for fields a request leaves out (its Realtime/transcription VAD docs).
+# The Realtime API's bound of the same fields (mmcpu.realtime.protocol): padding or a pause beyond 10 s is no VAD.
+MAX_MS = 10_000
 SERVER_VAD_DEFAULTS = {"threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 200}
 
 
@@ -108,8 +110,8 @@ def parse_strategy(value: Any, bracketed: Mapping[str, Any] | None = None) -> Op
     padding = _number(fields["prefix_padding_ms"], "prefix_padding_ms", integer=True)
     silence = _number(fields["silence_duration_ms"], "silence_duration_ms", integer=True)
     for name, ms in (("prefix_padding_ms", padding), ("silence_duration_ms", silence)):
-        if ms < 0:
-            raise StrategyError(f"{PARAM}.{name} must be 0 or more milliseconds, not {ms}")
+        if not 0 <= ms <= MAX_MS:
+            raise StrategyError(f"{PARAM}.{name} must be 0 to {MAX_MS} milliseconds, not {ms}")
     return Options(threshold=float(threshold), pad_ms=int(padding), min_silence_ms=int(silence))
 
 
@@ -127,6 +129,11 @@ def _number(value: Any, name: str, *, integer: bool) -> float:
     if not math.isfinite(value):
         raise StrategyError(f"{PARAM}.{name} must be finite, not {value!r}")
     return value
+
+
+def is_field(name: str) -> bool:
+    """A request's form field that belongs to ``chunking_strategy`` (the value or one ``[field]``)."""
+    return name == PARAM or (name.startswith(PARAM + "[") and name.endswith("]"))
 
 
 def request_strategy(extra: Mapping[str, Any] | None, default: Options | None) -> Options | None:
@@ -183,7 +190,7 @@ def load(path: Path):
     return onnxruntime.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
 
 
-def session():
+def session() -> Any:
     """The process's one session (:func:`load` of :func:`model_path`, on first use). onnxruntime runs one session
     from several threads at once; each call here passes its own LSTM state."""
     global _session

@@ -1,7 +1,7 @@
 """Word timestamps for Whisper: cross-attention alignment, in the engine, with the engine's own weights.
 
-``response_format=verbose_json`` with ``timestamp_granularities=["word"]`` (patches/0022) takes each 30 s window's
-decoded text and times every word, the way openai-whisper (``timing.find_alignment``), transformers
+``response_format=verbose_json`` with ``timestamp_granularities=["word"]`` (the speech package, mmcpu.stt) takes
+each 30 s window's decoded text and times every word, the way openai-whisper (``timing.find_alignment``), transformers
 (``_extract_token_timestamps``) and CTranslate2 (``Whisper.align``, under faster-whisper) do:
 
 1. **engine** (:func:`worker_cross_attention`, a method of vLLM's CPU worker added by :mod:`mmcpu.plugin`, called
@@ -407,7 +407,7 @@ def _merge_punctuations(words: list[Word], segment_of: list[int]) -> list[Word |
 
 
 # ------------------------------------------------------------------------------------------------------
-# 3. The API server's side of a request (patches/0022 calls this).
+# 3. The API server's side of a request (mmcpu.stt calls this).
 
 
 class WordTimestamps:

@@ -13,9 +13,8 @@ them lose words. The rules, per request, on the tokens generated so far:
 - when the total probability of all timestamps exceeds that of the most likely text token, a timestamp is forced.
 
 With a ``text`` (token ids), the text is forced: each text token must be the next one of it, the end cannot
-come before all of it, and no text after it - so the model only chooses where the timestamps go. The serving
-times json's own decoding of a window this way (patches/0027), so verbose_json, srt and vtt carry exactly json's
-words.
+come before all of it, and no text after it - so the model only chooses where the timestamps go (a request may ask
+for it; the speech package's decode method, MMCPU_STT_TIMESTAMPS=decode, uses the rules without a text).
 
 Only requests whose ``SamplingParams.extra_args`` carry :data:`KEY` (set by the speech-to-text serving for its
 timestamped formats: verbose_json, srt, vtt) are touched; :meth:`add_request` declines every other request, so

@@ -268,7 +268,7 @@ CASES: list[Case] = [
         param="response_format",
         why="verbose_json cannot stream (vLLM) - must say so, not fail mid-stream",
     ),
-    # A stream is OpenAI's transcript.text.* events, text only (patches/0019): the other formats refuse it.
+    # A stream is OpenAI's transcript.text.* events, text only (mmcpu/stt): the other formats refuse it.
     *[
         Case(
             f"stream-{fmt.replace('_', '-')}",
@@ -280,7 +280,7 @@ CASES: list[Case] = [
         )
         for fmt in ("srt", "vtt", "diarized_json")
     ],
-    # Word timestamps need verbose_json (OpenAI's rule; patches/0022).
+    # Word timestamps need verbose_json (OpenAI's rule).
     *[
         Case(
             f"word-timestamps-{fmt}",
@@ -292,7 +292,7 @@ CASES: list[Case] = [
         )
         for fmt in ("json", "text")
     ],
-    # Segment timestamps (patches/0020): known values only, and only with verbose_json.
+    # Segment timestamps: known values only, and only with verbose_json.
     Case(
         "timestamp-granularity-unknown",
         TRANSCRIPTIONS,
@@ -331,6 +331,14 @@ CASES: list[Case] = [
         "audio",
         _stt_form(TRANSCRIPTIONS, {"stream": "true", "use_beam_search": "true"}),
         why="vLLM's use_beam_search cannot stream",
+    ),
+    Case(
+        "beam-search-verbose-json",
+        TRANSCRIPTIONS,
+        "audio",
+        _stt_form(TRANSCRIPTIONS, {"use_beam_search": "true"}, response_format="verbose_json"),
+        param="use_beam_search",
+        why="use_beam_search with a timestamped format (the package times greedy or sampled decodes only)",
     ),
     Case(
         "temperature-above-range-audio",
@@ -408,7 +416,7 @@ CASES: list[Case] = [
         status=405,
         why="GET on a POST-only route",
     ),
-    # chunking_strategy (patches/0023): "auto" or OpenAI's server_vad object, refused before any decoding.
+    # chunking_strategy (mmcpu/stt, mmcpu/vad.py): "auto" or OpenAI's server_vad object, refused before any decoding.
     *[
         Case(
             f"chunking-strategy-{name}",
@@ -436,6 +444,11 @@ CASES: list[Case] = [
                 "padding-not-integer",
                 {"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]": "ten"},
                 "server_vad prefix_padding_ms 'ten'",
+            ),
+            (
+                "padding-beyond-bound",
+                {"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]": "20000"},
+                "server_vad prefix_padding_ms 20000 (0..10000)",
             ),
         ]
     ],

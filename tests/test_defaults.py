@@ -166,7 +166,7 @@ def test_launcher_logs_the_choice_and_refuses_with_exit_2(monkeypatch, capsys, t
     started = []
     monkeypatch.setattr(launch, "run", lambda *a, **k: started.append(a[0]) or 0)
     monkeypatch.setattr(launch, "ROLE_FILE", tmp_path / "role")
-    monkeypatch.setattr(launch, "preflight", lambda settings: None)
+    monkeypatch.setattr(launch, "preflight", lambda settings, **_: None)
     model = checkpoint(tmp_path / "whisper-z")
     checkpoint(tmp_path / "whisper-z-int8", quantized=True)
     table(F32_INT8)

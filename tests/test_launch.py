@@ -354,7 +354,7 @@ def test_entrypoint_runs_a_role_of_the_settings(monkeypatch, tmp_path):
         ),
     )
     monkeypatch.setattr(launch, "ROLE_FILE", tmp_path / "role")
-    monkeypatch.setattr(launch, "preflight", lambda settings: None)
+    monkeypatch.setattr(launch, "preflight", lambda settings, **_: None)
     monkeypatch.setenv("MMCPU_ENGINE_ROLES", EXTRA)
     get_settings.cache_clear()
     try:

@@ -173,7 +173,7 @@ def test_segments_fit_the_clip_and_subtitles_carry_the_same_times(ask, passages,
 
 
 def test_streaming_multilingual_transcription(ask, base_engine, passages):
-    """stream=True without `language`: detection, then OpenAI's events (patches/0019), the one-shot answer's text."""
+    """stream=True without `language`: detection, then OpenAI's events (mmcpu/stt), the one-shot answer's text."""
     clip, _ = passages["de"]
     stream = base_engine.client().audio.transcriptions.create(**client_kwargs(clip, base_engine, stream=True))
     *deltas, done = list(stream)

@@ -1,4 +1,4 @@
-"""Streamed transcriptions on a real MRV2 engine (Whisper tiny.en) in OpenAI's event format (patches/0019): the
+"""Streamed transcriptions on a real MRV2 engine (Whisper tiny.en) in OpenAI's event format (mmcpu/stt): the
 unmodified ``openai`` Python client's typed iterator, OpenAI's official Node SDK (npm ``openai``, pinned below) with
 node, the raw server-sent events, and the gateway relaying them byte for byte."""
 

@@ -114,8 +114,9 @@ def test_silence_is_an_empty_document_not_an_empty_cue(fmt):
 
 
 def test_vllm_plugins_named_only_when_the_package_serves_speech():
-    plugin = Settings(stt_routes="plugin")
-    assert launch.plugins_env(Settings(), "audio", None) is None  # the default: vLLM's routes, nothing changes
+    plugin = Settings()  # the default: the package serves speech engines
+    assert plugin.stt_routes == "plugin"
+    assert launch.plugins_env(Settings(stt_routes="vllm"), "audio", None) is None  # opt out: nothing changes
     assert launch.plugins_env(plugin, "vision", None) is None
     assert launch.plugins_env(plugin, "audio", None) == f"mmcpu,{PLUGIN_NAME}"
     assert launch.plugins_env(plugin, "audio", "mmcpu,other") == f"mmcpu,other,{PLUGIN_NAME}"
@@ -136,10 +137,10 @@ def test_the_launcher_refuses_a_plugin_that_is_missing_or_broken(monkeypatch):
     assert "not installed" in launch.stt_plugin_preflight()
     installed(importlib.metadata.EntryPoint(PLUGIN_NAME, "mmcpu.stt.nowhere:factory", "vllm.endpoint_plugins"))
     assert "does not load" in launch.stt_plugin_preflight()
-    # preflight asks only under MMCPU_STT_ROUTES=plugin
+    # preflight asks only under MMCPU_STT_ROUTES=plugin (the default) and only for a speech engine
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    assert launch.preflight(Settings(runner="v2", triton_interpret=False), env={"CXX": "/bin/true"}) is None
-    reason = launch.preflight(
-        Settings(runner="v2", triton_interpret=False, stt_routes="plugin"), env={"CXX": "/bin/true"}
-    )
+    cxx = {"CXX": "/bin/true"}
+    assert launch.preflight(Settings(runner="v2", triton_interpret=False, stt_routes="vllm"), env=cxx) is None
+    assert launch.preflight(Settings(runner="v2", triton_interpret=False), env=cxx, kinds=("vision",)) is None
+    reason = launch.preflight(Settings(runner="v2", triton_interpret=False), env=cxx, kinds=("vision", "audio"))
     assert reason and "does not load" in reason

@@ -1,16 +1,16 @@
-"""The speech package (mmcpu.stt) against vLLM's patched speech serving, on ONE real engine: MRV2 on CPU, real Whisper
-tiny.en, MMCPU_STT_ROUTES=plugin.
+"""The speech package (mmcpu.stt, the default MMCPU_STT_ROUTES=plugin) on a real engine: MRV2 on CPU, real Whisper
+tiny.en; against vLLM's own speech serving (MMCPU_STT_ROUTES=vllm) on a second engine.
 
-The package hands every request it does not cover to vLLM's serving (the response header says which answered, and
-why), and a request with a field the package does not know is one of those. So each clip is sent twice to the same
-engine: as it is (the package answers) and with one unknown field (vLLM's serving answers). json and text must be
-identical. The timestamped formats (MMCPU_STT_TIMESTAMPS=align, the default) are json's decode timed by one alignment
-forward: they must carry exactly json's words, with segment starts as close to the known speech as faster-whisper's."""
+The package hands only LoRA / unknown model names and diarized_json to vLLM's serving (the response header says
+which answered, and why). json must be vLLM's, byte for byte. The timestamped formats
+(MMCPU_STT_TIMESTAMPS=align, the default) are json's decode timed by one alignment forward: they must carry exactly
+json's words, with segment starts as close to the known speech as faster-whisper's."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -25,16 +25,24 @@ from mmcpu_dev.servers import assert_native_then_stop, test_engine
 pytestmark = pytest.mark.slow
 
 RATE = 16_000
-PROBE = {"mmcpu_test_probe": "1"}  # a field the package does not know: vLLM's serving answers
-PLUGIN, VLLM = "plugin", "vllm; reason=extra_fields"
+PLUGIN = "plugin"
 
 
 @pytest.fixture(scope="module")
 def stt_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
-    engine = test_engine(whisper_model, logs_dir, "stt-plugin", env={"MMCPU_STT_ROUTES": "plugin"}).start()
+    engine = test_engine(whisper_model, logs_dir, "stt-plugin").start()  # the default settings
     log = engine.log()
     for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
         assert f"Endpoint plugin overrides POST {path}" in log, f"the mmcpu_stt plugin did not replace {path}"
+    yield engine
+    assert_native_then_stop(engine)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
+    """The opt-out: vLLM's own speech serving, no endpoint plugin."""
+    engine = test_engine(whisper_model, logs_dir, "stt-vllm", env={"MMCPU_STT_ROUTES": "vllm"}).start()
+    assert "Endpoint plugin overrides" not in engine.log()
     yield engine
     assert_native_then_stop(engine)
 
@@ -48,17 +56,30 @@ def long_clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]
     return path, sentences, [(a / RATE, b / RATE) for a, b in spans]
 
 
-def post(engine, audio: Path, route: str, task: str = "transcriptions", **fields: str) -> httpx.Response:
-    form = {"model": engine.name, "temperature": "0", **fields, **(PROBE if route == VLLM else {})}
-    response = httpx.post(
+def send(engine, audio: Path, task: str = "transcriptions", **fields: Any) -> httpx.Response:
+    return httpx.post(
         f"{engine.base_url}/v1/audio/{task}",
-        data=form,
+        data={"model": engine.name, "temperature": "0", **fields},
         files={"file": (audio.name, audio.read_bytes(), "audio/wav")},
         timeout=300,
     )
+
+
+def post(engine, audio: Path, route: str | None, task: str = "transcriptions", **fields: Any) -> httpx.Response:
+    response = send(engine, audio, task, **fields)
     assert response.status_code == 200, response.text
     assert response.headers.get(ROUTE_HEADER) == route, (route, dict(response.headers))
     return response
+
+
+def refused(engine, audio: Path, param: str, **fields: Any) -> dict[str, Any]:
+    """A 400 in OpenAI's error schema naming ``param``, answered by the package."""
+    response = send(engine, audio, **fields)
+    assert response.status_code == 400, response.text
+    assert response.headers.get(ROUTE_HEADER) == PLUGIN, dict(response.headers)
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"], error
+    return dict(error)
 
 
 def engine_requests(engine) -> float:
@@ -76,17 +97,20 @@ def words(text: str) -> list[str]:
     return speech.normalize(text).split()
 
 
-@pytest.mark.parametrize("response_format", ["json", "text"])
 @pytest.mark.parametrize("task", ["transcriptions", "translations"])
-def test_json_and_text_identical(stt_engine, clips, long_clip, response_format, task):
+def test_json_and_text_as_vllms_own_serving(stt_engine, vllm_engine, clips, long_clip, task):
+    """json is vLLM's own serving's document, byte for byte; text is its text (vLLM's own serving has no text
+    format: a 400 there)."""
     for audio in [path for path, _ in clips] + [long_clip[0]]:
-        ours = post(stt_engine, audio, PLUGIN, task, response_format=response_format)
-        theirs = post(stt_engine, audio, VLLM, task, response_format=response_format)
-        assert ours.text == theirs.text, audio.name
-        if response_format == "json":
-            assert ours.json() == theirs.json()
+        ours = post(stt_engine, audio, PLUGIN, task, response_format="json")
+        theirs = post(vllm_engine, audio, None, task, response_format="json")
+        assert ours.json() == theirs.json(), audio.name
+        text = post(stt_engine, audio, PLUGIN, task, response_format="text").text
+        assert text == theirs.json()["text"].strip() + "\n", audio.name
     text = post(stt_engine, long_clip[0], PLUGIN, response_format="text").text
     assert speech.word_error_rate([" ".join(long_clip[1])], [text]) < WER_LIMIT
+    unknown = post(stt_engine, clips[1][0], PLUGIN, response_format="json", mmcpu_test_probe="1")
+    assert unknown.json() == post(stt_engine, clips[1][0], PLUGIN, response_format="json").json()  # ignored
 
 
 def test_stream_through_openai_sdk(stt_engine, clips, long_clip):
@@ -95,37 +119,37 @@ def test_stream_through_openai_sdk(stt_engine, clips, long_clip):
     them in one batch, and batch composition can flip a word of this bfloat16 model.)"""
     client = stt_engine.client()
 
-    def stream(audio: Path, route: str) -> tuple[list[str], object]:
+    def stream(audio: Path, **extra: Any) -> tuple[list[Any], Any]:
         with client.audio.transcriptions.with_streaming_response.create(
-            model=stt_engine.name, file=audio, temperature=0.0, stream=True, extra_body=PROBE if route == VLLM else None
+            model=stt_engine.name, file=audio, temperature=0.0, stream=True, extra_body=extra or None
         ) as raw:
-            assert raw.headers.get(ROUTE_HEADER) == route
+            assert raw.headers.get(ROUTE_HEADER) == PLUGIN
             events = list(raw.parse())
         (done,) = [e for e in events if e.type == "transcript.text.done"]
-        return [e.delta for e in events if e.type == "transcript.text.delta"], done
+        return [e for e in events if e.type == "transcript.text.delta"], done
 
     for audio in [clips[1][0], long_clip[0]]:
-        deltas, done = stream(audio, PLUGIN)
-        assert deltas and "".join(deltas) == done.text
+        deltas, done = stream(audio)
+        assert deltas and "".join(e.delta for e in deltas) == done.text
         assert done.usage.output_tokens > 0 and done.usage.input_tokens > 0
-        # The text and usage as vLLM's stream; not the same cut into deltas: vLLM merges the pending deltas of a
-        # request when its reader lags (a loaded machine), for either route.
-        _, their_done = stream(audio, VLLM)
-        assert (done.text, done.usage) == (their_done.text, their_done.usage)
         if audio != long_clip[0]:  # one window: nothing else in the batch, json's text
-            assert done.text == post(stt_engine, audio, VLLM, response_format="json").json()["text"]
+            assert done.text == post(stt_engine, audio, PLUGIN, response_format="json").json()["text"]
+    # vLLM's stream_continuous_usage_stats: the running usage on every delta, growing to the done event's
+    deltas, done = stream(clips[1][0], stream_include_usage=True, stream_continuous_usage_stats=True)
+    outputs = [e.usage["output_tokens"] for e in deltas]  # an extra to OpenAI's type: a dict
+    assert outputs == sorted(outputs) and 0 < outputs[-1] <= done.usage.output_tokens
 
 
 def test_verbose_json_one_decode_per_window(stt_engine, clips):
     """A one-window clip costs the package one engine request in verbose_json, as in json (the alignment forward is
-    a worker call, not a request); vLLM's patched serving spends two (json's decode, then the forced timing pass)."""
+    a worker call, not a request)."""
     audio = clips[1][0]
     costs = {}
-    for route in (PLUGIN, VLLM):
+    for fmt in ("json", "verbose_json"):
         before = engine_requests(stt_engine)
-        post(stt_engine, audio, route, response_format="verbose_json")
-        costs[route] = engine_requests(stt_engine) - before
-    assert costs == {PLUGIN: 1, VLLM: 2}, costs
+        post(stt_engine, audio, PLUGIN, response_format=fmt)
+        costs[fmt] = engine_requests(stt_engine) - before
+    assert costs == {"json": 1, "verbose_json": 1}, costs
 
 
 def cue_texts(body: str, response_format: str) -> list[str]:
@@ -202,7 +226,7 @@ def test_word_timestamps_from_the_alignment(stt_engine, long_clip):
 
 def test_include_logprobs(stt_engine, clips):
     """``include[]=logprobs`` with json: OpenAI's logprobs array, one entry per generated token, whose texts make up
-    the answer's text; the text itself is json's. With another format it goes to vLLM's serving (ignored, as ever)."""
+    the answer's text; the text itself is json's. With another format or a stream it is a 400 naming include[]."""
     audio = clips[1][0]
     plain = post(stt_engine, audio, PLUGIN, response_format="json").json()
     doc = post(stt_engine, audio, PLUGIN, response_format="json", **{"include[]": "logprobs"}).json()
@@ -212,8 +236,8 @@ def test_include_logprobs(stt_engine, clips):
     assert all(e["logprob"] <= 0 for e in entries)
     assert b"".join(bytes(e["bytes"]) for e in entries).decode() == doc["text"]
     assert "".join(e["token"] for e in entries) == doc["text"]
-    other = post(stt_engine, audio, "vllm; reason=include", response_format="text", **{"include[]": "logprobs"})
-    assert other.text.strip()
+    refused(stt_engine, audio, "include[]", response_format="text", **{"include[]": "logprobs"})
+    refused(stt_engine, audio, "include[]", response_format="json", **{"include[]": "no-such-thing"})
 
 
 @pytest.mark.parametrize("seconds", [3, 5])
@@ -264,29 +288,87 @@ def test_errors_are_4xx_naming_the_parameter(stt_engine, clips):
         )
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param, response.text
+        assert response.headers.get(ROUTE_HEADER) == PLUGIN
+    # refused by vLLM's request model before the route runs: the header all the same
+    response = send(stt_engine, clips[0][0], stream_include_usage="true")
+    assert response.status_code == 400 and response.headers.get(ROUTE_HEADER) == PLUGIN, response.text
     assert stt_engine.alive()
 
 
 @pytest.mark.parametrize(
     ("fields", "reason"),
+    [({"response_format": "diarized_json"}, "response_format"), ({"model": "no-such-model"}, "model")],
+)
+def test_handed_to_vllm(stt_engine, clips, fields, reason):
+    """What vLLM's own serving refuses correctly is handed to it (its error, the reason in the header)."""
+    response = send(stt_engine, clips[1][0], **fields)
+    assert response.headers.get(ROUTE_HEADER) == f"vllm; reason={reason}", (response.status_code, response.text)
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
     [
-        ({"response_format": "diarized_json"}, "response_format"),
-        ({"response_format": "srt", "timestamp_granularities[]": "word"}, "timestamp_granularities"),
-        ({"timestamp_granularities[]": "segment"}, "timestamp_granularities"),
-        ({"chunking_strategy": "auto"}, "chunking_strategy"),
-        ({"model": "no-such-model"}, "model"),
+        ({"response_format": "text", "timestamp_granularities[]": "word"}, "timestamp_granularities"),
+        ({"timestamp_granularities[]": "segment"}, "timestamp_granularities"),  # json
+        ({"response_format": "verbose_json", "stream": "true"}, "response_format"),
+        ({"chunking_strategy": "sometimes"}, "chunking_strategy"),
+        (
+            {"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]": "20000"},
+            "chunking_strategy",
+        ),
+        ({"use_beam_search": "true", "response_format": "verbose_json"}, "use_beam_search"),
+        ({"use_beam_search": "true", "response_format": "srt"}, "use_beam_search"),
+        ({"use_beam_search": "true", "stream": "true"}, "use_beam_search"),
+        ({"use_beam_search": "true", "chunking_strategy": "auto"}, "use_beam_search"),
     ],
 )
-def test_uncovered_requests_go_to_vllm(stt_engine, clips, fields, reason):
-    """What the package does not cover yet is answered by vLLM's serving as before (its answer or its error)."""
-    form = {"model": stt_engine.name, "temperature": "0", **fields}
-    response = httpx.post(
-        f"{stt_engine.base_url}/v1/audio/transcriptions",
-        data=form,
-        files={"file": ("a.wav", clips[1][0].read_bytes(), "audio/wav")},
-        timeout=300,
-    )
-    assert response.headers.get(ROUTE_HEADER) == f"vllm; reason={reason}", (response.status_code, response.text)
-    assert response.status_code in (200, 400, 404), response.text
-    if fields.get("timestamp_granularities[]") == "segment":  # json: vLLM's 400
-        assert response.status_code == 400 and response.json()["error"]["param"] == "timestamp_granularities"
+def test_what_the_package_does_not_serve_is_a_400(stt_engine, clips, fields, param):
+    error = refused(stt_engine, clips[1][0], param, **fields)
+    if param == "chunking_strategy" and "prefix_padding_ms" in str(fields):
+        assert "prefix_padding_ms" in error["message"]
+    assert stt_engine.alive()
+
+
+def test_beam_search_is_a_400_silence_and_vad_too(stt_engine, clips, tmp_path):
+    """use_beam_search is refused in every format (vLLM's own beam search for Whisper runs one engine request per
+    token and past the end of the text, docs/api.md): on 5 s of silence with chunking_strategy=auto too, a 400
+    naming use_beam_search, not a 500."""
+    import numpy as np
+    import soundfile
+
+    silence = tmp_path / "silence5.wav"
+    soundfile.write(silence, np.zeros(5 * RATE, dtype=np.int16), RATE, subtype="PCM_16")
+    for fmt in ("json", "text"):
+        error = refused(stt_engine, clips[1][0], "use_beam_search", use_beam_search="true", response_format=fmt)
+        assert "greedily" in error["message"]
+    refused(stt_engine, silence, "use_beam_search", use_beam_search="true", chunking_strategy="auto")
+    assert post(stt_engine, silence, PLUGIN, chunking_strategy="auto").json()["text"] == ""
+    assert stt_engine.alive()
+
+
+def test_voice_activity_chunking_in_every_format(stt_engine, tmp_path, long_clip):
+    """chunking_strategy=auto is served by the package: silence is a whole empty answer in every format (no cue,
+    no engine request); speech keeps json's words, its times in the clip."""
+    import numpy as np
+    import soundfile
+
+    silence = tmp_path / "silence5.wav"
+    soundfile.write(silence, np.zeros(5 * RATE, dtype=np.int16), RATE, subtype="PCM_16")
+    before = engine_requests(stt_engine)
+    auto = {"chunking_strategy": "auto"}
+    assert post(stt_engine, silence, PLUGIN, **auto).json()["text"] == ""
+    assert post(stt_engine, silence, PLUGIN, response_format="text", **auto).text.strip() == ""
+    doc = post(stt_engine, silence, PLUGIN, response_format="verbose_json", **auto).json()
+    assert doc["text"] == "" and doc["segments"] == [] and doc["duration"] == pytest.approx(5, abs=0.05)
+    assert post(stt_engine, silence, PLUGIN, response_format="srt", **auto).text == ""
+    assert post(stt_engine, silence, PLUGIN, response_format="vtt", **auto).text == "WEBVTT\n\n"
+    assert engine_requests(stt_engine) == before  # the engine never ran
+    audio = long_clip[0]
+    doc = post(stt_engine, audio, PLUGIN, response_format="verbose_json", **auto).json()
+    expected = words(post(stt_engine, audio, PLUGIN, response_format="json", **auto).json()["text"])
+    assert words(doc["text"]) == expected and words(" ".join(s["text"] for s in doc["segments"])) == expected
+    assert all(0 <= s["start"] <= s["end"] <= doc["duration"] for s in doc["segments"])
+    for s in doc["segments"]:  # each segment overlaps some spoken sentence of the clip
+        assert any(s["start"] < b and s["end"] > a for a, b in long_clip[2]), s

@@ -1,5 +1,6 @@
-"""Timestamps that keep every word: verbose_json, srt and vtt time json's own text under Whisper's timestamp rules
-(mmcpu/whisper_timestamps.py, patches/0020, 0027) and their segments carry exactly the json text's words.
+"""Timestamps that keep every word: verbose_json, srt and vtt (the speech package, mmcpu/stt) time json's own text and
+their segments carry exactly the json text's words; Whisper's timestamp rules (mmcpu/whisper_timestamps.py) for
+MMCPU_STT_TIMESTAMPS=decode.
 
 Fast: the logits processor's rules on hand-made token histories, and the launcher naming it for MRV2 speech
 engines only. Slow: real MRV2 engines (tiny.en, its int8 variant, whisper-base with a language and with
@@ -111,7 +112,7 @@ def test_rows_in_one_batch_follow_their_own_history():
 
 
 def test_forced_text_leaves_only_the_timestamps_to_choose():
-    """json's text forced (patches/0027): its next token or a timestamp, the end only once all of it came."""
+    """json's text forced: its next token or a timestamp, the end only once all of it came."""
     text = [5, 6, 7]
     assert allowed([PROMPT], text=text) == [set(range(TB, TB + 51))]  # first a timestamp, as without
     assert allowed([[*PROMPT, TB + 10]], text=text) == [{5}]  # its first token; no end yet
@@ -198,7 +199,7 @@ def test_launcher_names_the_processor_for_mrv2_speech_only(tmp_path: Path):
 
 
 # --- slow: real engines -------------------------------------------------------------------------------------
-# verbose_json times json's own text (patches/0027: forced under the timestamp rules), so its segments, srt and
+# verbose_json times json's own text (the package's alignment of json's decode), so its segments, srt and
 # vtt carry exactly json's words, compared after mmcpu_dev.speech.normalize (case, punctuation, spacing).
 # Segment count against faster-whisper (same weights, greedy, timestamps): vLLM cuts windows where split_audio
 # finds a quiet point and faster-whisper seeks to its last timestamp, so long clips differ by a few segments.

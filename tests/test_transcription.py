@@ -43,7 +43,7 @@ def test_wer_json(whisper_engine, clips, language):
 
 
 def test_response_format_text(whisper_engine, clips):
-    """OpenAI's text format is the bare transcript (patches/0007), not a JSON document."""
+    """OpenAI's text format is the bare transcript (mmcpu/stt), not a JSON document."""
     hyps = transcribe_all(whisper_engine, clips[:2], language="en", response_format="text")
     assert all(isinstance(h, str) and h.strip() and not h.lstrip().startswith("{") for h in hyps), hyps
     assert speech.word_error_rate([t for _, t in clips[:2]], hyps) < WER_LIMIT

@@ -1,4 +1,4 @@
-"""Voice-activity chunking (``chunking_strategy``, mmcpu/vad.py, patches/0023).
+"""Voice-activity chunking (``chunking_strategy``, mmcpu/vad.py, served by mmcpu/stt).
 
 Unit: the request field's parsing and OpenAI's ranges; speech spans, windows and the time map on synthetic
 probabilities and signals; Silero's probabilities against faster-whisper's own driver (bench venv); how
@@ -233,8 +233,8 @@ def test_half_silence_fewer_windows_words_kept(whisper_engine, vad_clips):
         before = clips.finished_requests(whisper_engine.base_url)
         extra = {} if strategy is None else {"chunking_strategy": strategy}
         answer = transcribe(whisper_engine, path, response_format="verbose_json", **extra)
-        # verbose_json decodes a window as json does, then times that text (patch 0027): two requests a window
-        runs[strategy] = (answer, (clips.finished_requests(whisper_engine.base_url) - before) / 2)
+        # verbose_json: one decode a window, timed by an alignment forward (a worker call, not a request)
+        runs[strategy] = (answer, clips.finished_requests(whisper_engine.base_url) - before)
     (fixed, fixed_windows), (auto, auto_windows) = runs[None], runs["auto"]
     plan = vad.plan(clips.audio(path), SR, vad.AUTO, 30)
     # fixed 30 s windows over the whole clip vs windows of speech only, as planned in-process

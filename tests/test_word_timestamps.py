@@ -1,4 +1,4 @@
-"""Word timestamps (``verbose_json`` + ``timestamp_granularities=["word"]``, patches/0022, mmcpu/whisper_align.py).
+"""Word timestamps (``verbose_json`` + ``timestamp_granularities=["word"]``, mmcpu/stt, mmcpu/whisper_align.py).
 
 Unit tests: the DTW against a plain loop of the same recurrence, the word split and punctuation rules, the
 alignment heads of the fixtures against openai-whisper's own table, the refusals. Real engines (slow): clips made
@@ -423,12 +423,15 @@ def test_base_word_starts_with_a_language_and_detected(base_engine, truth_clips,
         assert_close_to_reference(*compare(base_engine, truth_clips, fw_reference, "whisper-base", language=language))
 
 
-def test_a_model_without_alignment_heads_refuses_words(monkeypatch):
-    """The serving's own check (patches/0022), on a serving object whose model has no alignment heads."""
-    import asyncio
+def test_a_model_without_alignment_heads_refuses_words():
+    """The speech package's check, on a serving object whose model has no alignment heads: "word" is a 400 naming
+    timestamp_granularities, and so is any granularity with json."""
+    from types import SimpleNamespace
 
     from vllm.entrypoints.speech_to_text.transcription.protocol import TranscriptionRequest
-    from vllm.entrypoints.speech_to_text.transcription.serving import OpenAIServingTranscription
+    from vllm.exceptions import VLLMValidationError
+
+    from mmcpu.stt.serving import SpeechServing
 
     class Config:
         def try_get_generation_config(self):
@@ -440,18 +443,16 @@ def test_a_model_without_alignment_heads_refuses_words(monkeypatch):
         def convert_tokens_to_ids(self, token):
             return 1
 
-    serving = object.__new__(OpenAIServingTranscription)
-    serving._word_timestamps = wa.WordTimestamps(Config(), Tokenizer())
-    assert not serving._word_timestamps.available
-
-    async def no_error(request):
-        return None
-
-    monkeypatch.setattr(serving, "_check_model", no_error, raising=False)
-    monkeypatch.setattr(
-        serving, "create_error_response", lambda message, **kw: {"message": message, **kw}, raising=False
-    )
+    aligner = wa.WordTimestamps(Config(), Tokenizer())
+    assert not aligner.available
+    serving = object.__new__(SpeechServing)
+    serving.aligner = None  # what SpeechServing keeps for such a model
+    serving.default_vad = None
+    serving.asr = SimpleNamespace(allow_audio_chunking=True)
     for fmt, needle in (("verbose_json", "alignment_heads"), ("json", "verbose_json")):
-        request = TranscriptionRequest.model_construct(model="m", response_format=fmt, timestamp_granularities=["word"])
-        error = asyncio.run(serving._create_speech_to_text(b"", request, None, None, None))
-        assert error["param"] == "timestamp_granularities" and needle in error["message"], error
+        request = TranscriptionRequest.model_construct(
+            model="m", response_format=fmt, timestamp_granularities=["word"], use_beam_search=False, stream=False
+        )
+        with pytest.raises(VLLMValidationError, match=needle) as caught:
+            serving.check(request)
+        assert caught.value.parameter == "timestamp_granularities"

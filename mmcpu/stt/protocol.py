@@ -24,6 +24,9 @@ class StreamUsage(BaseModel):
 class TextDeltaEvent(BaseModel):
     type: Literal["transcript.text.delta"] = "transcript.text.delta"
     delta: str
+    # Not in OpenAI's type (its SDKs keep it as an extra): the running usage, with vLLM's stream_include_usage +
+    # stream_continuous_usage_stats.
+    usage: StreamUsage | None = None
 
 
 class TextDoneEvent(BaseModel):

@@ -32,16 +32,18 @@ from mmcpu.stt import formats
 from mmcpu.stt.protocol import StreamInputTokenDetails, StreamUsage, TextDeltaEvent, TextDoneEvent
 from mmcpu.whisper_align import Word
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handlers: in the engine's log
 TASKS = {"transcriptions": "transcribe", "translations": "translate"}
-# What the package answers itself; the rest goes to vLLM's serving, with the reason in the route header.
+# What the package answers itself; only LoRA / unknown model names and diarized_json (and an engine that can time
+# nothing) go to vLLM's serving, with the reason in the route header.
 COVERED = {
     "response_format": ("json", "text", "verbose_json", "srt", "vtt"),
-    "stream": "json and text, as transcript.text.delta / transcript.text.done events",
+    "stream": "json and text, as transcript.text.delta / transcript.text.done events (running usage on each delta "
+    "with stream_include_usage + stream_continuous_usage_stats)",
     "timestamp_granularities": "segment; word with MMCPU_STT_TIMESTAMPS=align (verbose_json)",
-    "sampling": "greedy or sampled (temperature, top_p, top_k, min_p, penalties, seed); no beam search",
-    "audio": "any length vLLM decodes: 30 s windows cut as vLLM cuts them",
-    "language": "given, or English for English-only models",
+    "sampling": "greedy or sampled (temperature, top_p, top_k, min_p, penalties, seed); beam search: a 400",
+    "audio": "any length vLLM decodes: 30 s windows cut as vLLM cuts them, or speech-only windows (chunking_strategy)",
+    "language": "given, English for English-only models, else detected from the first window",
     "include[]": "logprobs, with json (OpenAI's logprobs array: token, logprob, bytes)",
 }
 TIMESTAMPED = ("verbose_json", "srt", "vtt")
@@ -58,8 +60,25 @@ SEEK_MIN_TAIL_S = 0.5
 @dataclass
 class Window:
     audio: np.ndarray
-    start: float
+    start: float  # on the clip; with voice-activity chunking, on the speech timeline (the windows end to end)
     end: float
+
+
+@dataclass
+class Clip:
+    windows: list[Window]
+    duration: float
+    speech_map: Any = None  # mmcpu.vad.SpeechMap with voice-activity chunking: speech timeline -> clip
+
+    def to_clip(self, window: int, items: Sequence[Any], seek: bool = False) -> None:
+        """Start/end (and seek) of one window's segments or words: speech timeline -> the clip."""
+        if self.speech_map is None:
+            return
+        for item in items:
+            item.start = self.speech_map.to_original(item.start, window=window)
+            item.end = max(item.start, self.speech_map.to_original(item.end, window=window, is_end=True))
+            if seek:  # the window's start in mel frames, in the clip
+                item.seek = round(self.speech_map.to_original(self.windows[window].start, window=window) * 100)
 
 
 def _vllm_envs() -> Any:
@@ -88,6 +107,9 @@ class SpeechServing:
         self.served_names = {path.name for path in core.models.base_model_paths}
         self.whisper = bool(getattr(self.model_cls, "supports_segment_timestamp", False))
         self.default_vad = vad.default_strategy(sorted(self.served_names))
+        if self.default_vad is not None:
+            vad.session()  # MMCPU_VAD_DEFAULT: a missing ONNX file fails the start, not a request
+            logger.info("Voice-activity chunking is the default (MMCPU_VAD_DEFAULT).")
         self.tokenizer = None
         self.rules: dict[str, Any] | None = None
         if self.whisper:
@@ -109,37 +131,78 @@ class SpeechServing:
     # --- what is covered ------------------------------------------------------------------------------------------
     def delegation(self, request: Any) -> str | None:
         """Why this request goes to vLLM's serving (a short reason for the route header), or None: the package
-        answers it."""
-        extra = request.model_extra or {}
+        answers it (or refuses it with a 400, :meth:`check`). Only what vLLM's own serving does as well or refuses
+        correctly is handed on."""
         fmt = request.response_format
         if not self.whisper:
             return "model"
         if request.model and request.model not in self.served_names:
             return "model"  # LoRA adapters and unknown names: vLLM's serving resolves or refuses them
-        if fmt not in COVERED["response_format"]:
-            return "response_format"
-        if request.use_beam_search:
-            return "use_beam_search"
         if request.stream and fmt not in ("json", "text"):
-            return "stream"  # vLLM's serving answers this with its 400
-        if request.stream and request.stream_continuous_usage_stats:
-            return "stream_continuous_usage_stats"
+            return None  # the package's 400 naming response_format: no format but text streams
+        if fmt not in COVERED["response_format"]:
+            return "response_format"  # diarized_json
         if fmt in TIMESTAMPED and self.aligner is None and self.rules is None:
-            return "timestamp_rules"  # the engine runs without the processor
-        granularities = set(getattr(request, "timestamp_granularities", None) or [])
-        words_ok = {"segment", "word"} if self.aligner is not None and fmt == "verbose_json" else {"segment"}
-        if granularities - words_ok or (granularities and fmt not in TIMESTAMPED):
-            return "timestamp_granularities"  # words by decode; or json/text, which vLLM's serving refuses (400)
-        if "chunking_strategy" in extra or self.default_vad is not None:
-            return "chunking_strategy"
-        include = self.include(request)
-        if include and (include != {"logprobs"} or fmt != "json" or request.stream):
-            return "include"  # vLLM's serving ignores it, as it always did
-        if set(extra) - set(INCLUDE_FIELDS):
-            return "extra_fields"  # vLLM's serving knows (or ignores) them as it always did
-        if request.language is None and not self._english_only():
-            return "language"  # language detection
+            return "timestamp_rules"  # the engine runs without the processor and the model has no alignment heads
         return None
+
+    def check(self, request: Any) -> Any:
+        """400s (OpenAI's error schema, naming the parameter) for what the package does not serve; returns the
+        request's voice-activity options (:mod:`mmcpu.vad`), or None for vLLM's fixed windows."""
+        from vllm.exceptions import VLLMValidationError
+
+        from mmcpu import vad
+
+        fmt = request.response_format
+        try:
+            strategy = vad.request_strategy(request.model_extra, self.default_vad)
+        except vad.StrategyError as exc:
+            raise VLLMValidationError(str(exc), parameter=vad.PARAM) from None
+        if request.use_beam_search:
+            # vLLM's serving has beam search, but for Whisper it runs one engine request (the encoder included)
+            # per token and does not stop at the end of the text: tens of seconds and "[Music]" to the token limit
+            # on a 4 s clip (docs/api.md#the-speech-package). Timestamps, streams and VAD windows need a decode.
+            raise VLLMValidationError(
+                "use_beam_search is not served: Whisper is decoded greedily (temperature 0) or sampled",
+                parameter="use_beam_search",
+            )
+        if request.stream and fmt not in ("json", "text"):
+            raise VLLMValidationError(
+                f"response_format {fmt!r} cannot be streamed: the stream's events carry text only (json or text)",
+                parameter="response_format",
+            )
+        granularities = set(getattr(request, "timestamp_granularities", None) or [])
+        if granularities - {"segment", "word"}:
+            raise VLLMValidationError(
+                f"timestamp_granularities takes 'segment' and 'word', not {sorted(granularities)}",
+                parameter="timestamp_granularities",
+            )
+        if granularities and fmt not in TIMESTAMPED:
+            raise VLLMValidationError(
+                f"timestamp_granularities needs response_format 'verbose_json', not {fmt!r}",
+                parameter="timestamp_granularities",
+            )
+        # srt / vtt are rendered from the segments: a granularity changes nothing there.
+        if "word" in granularities and fmt == "verbose_json" and self.aligner is None:
+            raise VLLMValidationError(
+                "timestamp_granularities 'word' needs the alignment method (MMCPU_STT_TIMESTAMPS=align) and a model "
+                "whose generation config has alignment_heads",
+                parameter="timestamp_granularities",
+            )
+        include = self.include(request)
+        if include - {"logprobs"}:
+            raise VLLMValidationError(
+                f"include[] takes 'logprobs', not {sorted(include - {'logprobs'})}", parameter="include[]"
+            )
+        if include and (fmt != "json" or request.stream):
+            raise VLLMValidationError(
+                "include[]=logprobs needs response_format 'json', not streamed", parameter="include[]"
+            )
+        unknown = sorted(k for k in request.model_extra or {} if k not in INCLUDE_FIELDS and not vad.is_field(k))
+        if unknown:
+            # As vLLM's serving: fields its request model does not know are ignored (it logs them too).
+            logger.warning("mmcpu.stt ignores unknown field(s) %s", ", ".join(unknown))
+        return strategy if self.asr.allow_audio_chunking else None
 
     @staticmethod
     def include(request: Any) -> set[str]:
@@ -182,14 +245,18 @@ class SpeechServing:
         return bool(check and check(self.model_config))
 
     # --- the work -------------------------------------------------------------------------------------------------
-    async def windows(self, data: bytes) -> tuple[list[Window], float]:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self._windows, data)
+    async def windows(self, data: bytes, strategy: Any = None) -> Clip:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._windows, data, strategy)
 
-    def _windows(self, data: bytes) -> tuple[list[Window], float]:
-        """The clip decoded at the model's rate and cut into windows as vLLM's serving cuts it."""
+    def _windows(self, data: bytes, strategy: Any = None) -> Clip:
+        """The clip decoded at the model's rate and cut into windows as vLLM's serving cuts it; with a
+        voice-activity ``strategy`` (:mod:`mmcpu.vad`), windows of speech only cut at pauses (none for a clip
+        without speech)."""
         from vllm.exceptions import VLLMValidationError
         from vllm.multimodal.audio import get_audio_duration, split_audio
         from vllm.multimodal.media.audio import load_audio
+
+        from mmcpu import vad
 
         envs = _vllm_envs()
         try:
@@ -210,6 +277,17 @@ class SpeechServing:
             raise VLLMValidationError("Audio file contains no samples.", parameter="file", value=0)
         duration = get_audio_duration(y=y, sr=sr)
         clip = self.asr.max_audio_clip_s
+        if strategy is not None:
+            plan = vad.plan(y, int(sr), strategy, clip or 30)
+            logger.info(
+                "Voice-activity chunking: %.1f s of speech in %d window(s), of %.1f s of audio.",
+                plan.speech_s,
+                len(plan.chunks),
+                duration,
+            )
+            ends = [a + d for a, d in zip(plan.offsets, plan.speech_map.window_durations(), strict=True)]
+            vad_windows = [Window(c, a, b) for c, a, b in zip(plan.chunks, plan.offsets, ends, strict=True)]
+            return Clip(vad_windows, duration, plan.speech_map)
         if self.asr.allow_audio_chunking and clip is not None and duration > clip:
             chunks = split_audio(
                 audio_data=y,
@@ -225,7 +303,7 @@ class SpeechServing:
             end = min(start + chunk.shape[-1] / self.asr.sample_rate, duration)
             out.append(Window(chunk, start, end))
             start = end
-        return out, duration
+        return Clip(out, duration)
 
     def validate(self, request: Any) -> None:
         from vllm.exceptions import VLLMValidationError
@@ -268,6 +346,42 @@ class SpeechServing:
             params.extra_args = {**(params.extra_args or {}), **(self.rules or {})}
         return params
 
+    async def detect_language(self, request: Any, clip: Clip) -> None:
+        """A multilingual model without ``language``: one engine request on the first window (the model class's
+        detection prompt, one token among the language tokens), as vLLM's serving detects it; "" when the clip has
+        no speech (voice-activity chunking left no window)."""
+        from vllm.sampling_params import SamplingParams
+
+        if request.language is not None or not getattr(self.model_cls, "supports_explicit_language_detection", False):
+            return
+        if not clip.windows:
+            request.language = ""
+            return
+        prompt = self.model_cls.get_language_detection_prompt(clip.windows[0].audio, self.asr)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            allowed_token_ids=self.model_cls.get_language_token_ids(self.tokenizer),
+        )
+        rid = f"mmcpu-stt-{self.task}-{uuid.uuid4().hex}-lang"
+        try:
+            final = await self._final(prompt, params, rid)
+        except BaseException:
+            await asyncio.gather(self.engine.abort([rid]), return_exceptions=True)
+            raise
+        request.language = self.model_cls.parse_language_detection_output(
+            list(final.outputs[0].token_ids), self.tokenizer
+        )
+        logger.info("mmcpu.stt detected language %r", request.language)
+
+    async def prepare(self, request: Any, data: bytes) -> Clip:
+        """Checks (400s before any audio is decoded), the clip's windows and the language."""
+        strategy = self.check(request)
+        self.validate(request)
+        clip = await self.windows(data, strategy)
+        await self.detect_language(request, clip)
+        return clip
+
     async def _final(self, prompt: Any, params: Any, request_id: str) -> Any:
         final = None
         async for out in self.engine.generate(prompt, params, request_id):
@@ -277,8 +391,8 @@ class SpeechServing:
 
     async def answer(self, request: Any, data: bytes) -> dict[str, Any] | str:
         """A whole (non-streamed) answer: the response's JSON document, or the text of text / srt / vtt."""
-        self.validate(request)
-        windows, duration = await self.windows(data)
+        clip = await self.prepare(request, data)
+        windows, duration = clip.windows, clip.duration
         fmt = request.response_format
         aligned = fmt in TIMESTAMPED and self.aligner is not None
         timestamped = fmt in TIMESTAMPED and not aligned  # decoded under the timestamp rules
@@ -304,10 +418,14 @@ class SpeechServing:
             timed = await asyncio.gather(
                 *(self.align(request, w, f, t) for w, f, t in zip(windows, finals, texts, strict=True))
             )
+            for index, (window_segments, window_words) in enumerate(timed):
+                clip.to_clip(index, window_segments, seek=True)
+                clip.to_clip(index, window_words)
             segments = [s for window_segments, _ in timed for s in window_segments]
             if fmt in ("srt", "vtt"):
                 return formats.subtitles(segments, fmt)
-            doc = self.verbose(request, self.separator(request).join(texts), duration, segments, usage)
+            # The text is its segments (json's window texts cut at words): json's words, no leading space.
+            doc = self.verbose(request, "".join(s.text for s in segments).strip(), duration, segments, usage)
             if "word" in granularities:
                 doc["words"] = [
                     {"word": w.word, "start": w.start, "end": w.end} for _, window_words in timed for w in window_words
@@ -331,6 +449,8 @@ class SpeechServing:
         except BaseException:
             await asyncio.gather(self.engine.abort(ids), return_exceptions=True)
             raise
+        for index, window_segments in enumerate(per_window):
+            clip.to_clip(index, window_segments, seek=True)
         segments = [s for window_segments in per_window for s in window_segments]
         if fmt in ("srt", "vtt"):
             return formats.subtitles(segments, fmt)
@@ -510,9 +630,8 @@ class SpeechServing:
         """OpenAI's typed stream as server-sent events: transcript.text.delta events, then transcript.text.done
         with the whole text and the token usage, then [DONE]. Windows are decoded one after another, so the deltas
         come in the clip's order. Validation and audio errors come before the first byte (a 4xx)."""
-        self.validate(request)
-        windows, duration = await self.windows(data)
-        return self._events(request, windows, duration)
+        clip = await self.prepare(request, data)
+        return self._events(request, clip.windows, clip.duration)
 
     async def _events(self, request: Any, windows: Sequence[Window], duration: float) -> AsyncIterator[str]:
         params = self.sampling(request, False)
@@ -523,6 +642,21 @@ class SpeechServing:
         pieces: list[str] = []
         base = f"mmcpu-stt-{self.task}-{uuid.uuid4().hex}"
         current = ""
+        # vLLM's option: the running usage on every delta (the done event always has it, as OpenAI's).
+        continuous = bool(
+            (getattr(self.core, "enable_force_include_usage", False) or request.stream_include_usage)
+            and request.stream_continuous_usage_stats
+        )
+
+        def running() -> StreamUsage:
+            text_tokens = sum(prompt_tokens)
+            return StreamUsage(
+                input_tokens=text_tokens + audio_tokens,
+                output_tokens=output_tokens,
+                total_tokens=text_tokens + audio_tokens + output_tokens,
+                input_token_details=StreamInputTokenDetails(audio_tokens=audio_tokens, text_tokens=text_tokens),
+            )
+
         try:
             for i, window in enumerate(windows):
                 current = f"{base}-{i}"
@@ -540,15 +674,9 @@ class SpeechServing:
                         delta = separator + delta
                     first = False
                     pieces.append(delta)
-                    yield f"data: {TextDeltaEvent(delta=delta).model_dump_json(exclude_none=True)}\n\n"
-            text_tokens = sum(prompt_tokens)
-            usage = StreamUsage(
-                input_tokens=text_tokens + audio_tokens,
-                output_tokens=output_tokens,
-                total_tokens=text_tokens + audio_tokens + output_tokens,
-                input_token_details=StreamInputTokenDetails(audio_tokens=audio_tokens, text_tokens=text_tokens),
-            )
-            done = TextDoneEvent(text="".join(pieces), usage=usage)
+                    event = TextDeltaEvent(delta=delta, usage=running() if continuous else None)
+                    yield f"data: {event.model_dump_json(exclude_none=True)}\n\n"
+            done = TextDoneEvent(text="".join(pieces), usage=running())
             yield f"data: {done.model_dump_json(exclude_none=True)}\n\n"
         except asyncio.CancelledError:
             await asyncio.gather(self.engine.abort([current]), return_exceptions=True)
