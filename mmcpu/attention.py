@@ -5,7 +5,7 @@ vLLM's CPU path for multimodal encoder attention (``MMEncoderAttention._forward_
 through ``direct_register_custom_op`` for the platform's dispatch key) runs ``F.scaled_dot_product_attention`` one
 call per ``cu_seqlens`` segment. :func:`install`, run by mmcpu's vLLM plugin (:mod:`mmcpu.plugin`) once that module
 has been imported, registers :func:`vllm_kernel` as the op's CPU kernel (``torch.library``, overriding vLLM's), so
-every model that reaches the op runs :func:`encoder_attention` and no vLLM file imports mmcpu.
+every model that reaches the op runs :func:`encoder_attention` without a patch to vLLM's files.
 :func:`encoder_attention` has the op's contract: q, k, v are (b, s, h, d) (any strides, last dim dense),
 ``cu_seqlens`` (int, on CPU) cuts dim 1 into independent segments, the result is a contiguous (b, s, h, d) tensor.
 
