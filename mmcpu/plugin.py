@@ -1,5 +1,6 @@
-"""mmcpu's vLLM plugin: MRV2's Triton kernels run natively in vLLM's CPU worker, and media URLs and sizes go through
-mmcpu's own connector, without editing vLLM's files.
+"""mmcpu's vLLM plugin: MRV2's Triton kernels run natively in vLLM's CPU worker, media URLs and sizes go through
+mmcpu's own connector, and multimodal encoder attention runs vLLM's own CPU attention kernels, without editing vLLM's
+files.
 
 Registered in pyproject.toml as the entry point ``mmcpu = "mmcpu.plugin:register"`` of the ``vllm.general_plugins``
 group, which vLLM's ``load_general_plugins()`` calls once in every process it runs: the API server
@@ -13,7 +14,13 @@ be imported - only a process that builds a CPU worker imports it: the EngineCore
 worker with ``mp``; never the API server. Then, whatever the runner, it adds one method to ``CPUWorker``,
 :data:`mmcpu.whisper_align.WORKER_METHOD`: the cross-attention pass of Whisper's word timestamps, which the API server
 calls with ``collective_rpc`` (mmcpu.stt). Whisper's feature extractor, wherever it is imported, computes its
-log-mel frames only up to the clip's end (:mod:`mmcpu.features`: the same features, bit for bit). With
+log-mel frames only up to the clip's end (:mod:`mmcpu.features`: the same features, bit for bit). Once vLLM's
+``vit_attn_wrappers`` module has been imported (in the EngineCore or worker that builds a multimodal model, which
+runs it, and in the API server, which only imports it), the CPU kernel of its op
+``torch.ops.vllm.torch_sdpa_wrapper`` - the encoder attention of Whisper, the CLIP/SigLIP towers and the Qwen2-VL
+ViT - becomes :func:`mmcpu.attention.vllm_kernel` (``torch.library``), which picks per shape the first of vLLM's
+``_C`` kernels that passes a self-check on this CPU (:mod:`mmcpu.attention`; other platforms, the zentorch platform
+and a vLLM without that op are left as shipped, with one log line). With
 ``TRITON_INTERPRET=1`` (without it there is no interpreter to replace) it also wraps three methods of
 ``CPUWorker``:
 
@@ -48,6 +55,8 @@ WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 CONNECTOR_MODULE = "vllm.multimodal.media.connector"
 # transformers' Whisper feature extractor: the API server's multimodal processor and mmcpu.whisper_align use it.
 WHISPER_FEATURES_MODULE = "transformers.models.whisper.feature_extraction_whisper"
+# Registers vLLM's encoder attention op (torch.ops.vllm.torch_sdpa_wrapper) when imported.
+ENCODER_ATTENTION_MODULE = "vllm.v1.attention.ops.vit_attn_wrappers"
 HOOKED_METHODS = ("init_device", "compile_or_warm_up_model", "shutdown")
 
 
@@ -56,6 +65,7 @@ def register() -> None:
     after_import(CONNECTOR_MODULE, add_media_connector)
     after_import(WORKER_MODULE, add_word_alignment)
     after_import(WHISPER_FEATURES_MODULE, trim_whisper_features)
+    after_import(ENCODER_ATTENTION_MODULE, route_encoder_attention)
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     after_import(WORKER_MODULE, hook_cpu_worker)
@@ -66,6 +76,13 @@ def trim_whisper_features(module: ModuleType) -> None:
     from mmcpu import features
 
     features.install(module)
+
+
+def route_encoder_attention(module: ModuleType) -> None:
+    """vLLM's encoder attention op runs :func:`mmcpu.attention.encoder_attention` on CPU (``attention.install``)."""
+    from mmcpu import attention
+
+    attention.install(module)
 
 
 def add_media_connector(module: ModuleType) -> None:

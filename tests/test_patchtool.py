@@ -229,7 +229,7 @@ def test_032_host_work_patches_still_apply(site):
 # Patches 0.32.0 rebased (their 0.26.0 text is in patches/0.26.0/) and the ones it no longer needs.
 REBASED = ["0005", "0007", "0010", "0012", "0013", "0014", "0015"]
 UPSTREAM_IN_DEFAULT = ["0001", "0002", "0003", "0006", "0009"]
-DEFAULT_ONLY = ["0018", "0024", "0025", "0028", "0029", "0030"]
+DEFAULT_ONLY = ["0018", "0024", "0028", "0029", "0030"]
 # The default line serves text/srt/vtt from the speech package (mmcpu/stt), not from vLLM's patched serving.
 PROOF_ONLY = ["0007"]
 

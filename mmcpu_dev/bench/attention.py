@@ -9,7 +9,7 @@ implementation of :mod:`mmcpu.attention` that runs here is timed, interleaved, m
 
 - ``sdpa_strided``: vLLM's path as shipped (SDPA on transposed views), ``sdpa``: contiguous layout (patches/0024),
   ``extend`` / ``cpu_attn``: vLLM's ``_C`` kernels, ``auto``: what :func:`mmcpu.attention.encoder_attention`
-  picks on this CPU (patches/0025);
+  picks on this CPU (mmcpu.plugin installs it in the engine);
 - ``gemm``: the model's fc1 (tokens x d_model @ d_model x ffn) through vLLM's oneDNN handlers, as its linear
   layers run: float32 / bfloat16 (``create_onednn_mm``), int8 W8A8 with dynamic per-token activation
   quantisation included (``create_onednn_scaled_mm``), GFLOP/s;
