@@ -162,6 +162,32 @@ class Settings(BaseSettings):
         "alignment). decode = one decode per window under Whisper's timestamp rules (the model places the "
         "timestamps; its words may differ from json's). Measured in docs/api.md#the-speech-package",
     )
+    # Whisper's guards (mmcpu/stt/guards.py; docs/api.md#whispers-guards), openai-whisper's thresholds. Off by
+    # default: on tiny.en they raised the WER of noisy speech (docs/api.md).
+    stt_temperature_fallback: Annotated[list[float], NoDecode] = Field(
+        default_factory=list,
+        description="temperatures (comma-separated, ascending; openai-whisper: 0.2,0.4,0.6,0.8,1.0) a window of a "
+        "non-streamed transcription is decoded at again, in turn, while its text compresses above "
+        "MMCPU_STT_COMPRESSION_RATIO_THRESHOLD or its mean token logprob is below MMCPU_STT_LOGPROB_THRESHOLD. "
+        "Unset = no fallback (streams never fall back: their text is already sent)",
+        json_schema_extra={"doc_default": "unset"},
+    )
+    stt_compression_ratio_threshold: float = Field(
+        2.4, gt=0, description="the fallback's gzip compression-ratio threshold (a looping text compresses well)"
+    )
+    stt_logprob_threshold: float = Field(
+        -1.0, le=0, description="the fallback's and the no-speech rule's mean token logprob threshold"
+    )
+    stt_no_speech_threshold: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="a window whose <|nospeech|> probability is above this while its mean token logprob is below "
+        "MMCPU_STT_LOGPROB_THRESHOLD is silence: no text (openai-whisper: 0.6). Needs the alignment method "
+        "(MMCPU_STT_TIMESTAMPS=align, a model with alignment heads): it costs one encoder pass per such window. "
+        "Unset = off",
+        json_schema_extra={"doc_default": "unset"},
+    )
 
     # --- roles of the container entrypoint --------------------------------------------------------
     audio_model: str = Field("/models/whisper-tiny.en", description="model served by the audio engine")
@@ -430,6 +456,20 @@ class Settings(BaseSettings):
             "vision": EngineRole(model=self.vision_model, port=self.vision_port, args=self.vision_args),
             **self.engine_roles,
         }
+
+    @field_validator("stt_temperature_fallback", mode="before")
+    @classmethod
+    def _parse_temperatures(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [float(part) for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("stt_temperature_fallback")
+    @classmethod
+    def _check_temperatures(cls, value: list[float]) -> list[float]:
+        if value != sorted(value) or any(not 0 < t <= 2 for t in value):
+            raise ValueError(f"temperatures must ascend within (0, 2], not {value}")
+        return value
 
     @field_validator("vad_default", "media_domains", mode="before")
     @classmethod

@@ -372,3 +372,89 @@ def test_voice_activity_chunking_in_every_format(stt_engine, tmp_path, long_clip
     assert all(0 <= s["start"] <= s["end"] <= doc["duration"] for s in doc["segments"])
     for s in doc["segments"]:  # each segment overlaps some spoken sentence of the clip
         assert any(s["start"] < b and s["end"] > a for a, b in long_clip[2]), s
+
+
+@pytest.fixture(scope="module")
+def hard_clips(clips, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Deterministic clips from the first sentence: as spoken; after 20 s of silence; under white noise (sigma
+    0.1: the decode unsure); white noise alone (sigma 0.05, 8 s)."""
+    import numpy as np
+    import soundfile
+
+    out = tmp_path_factory.mktemp("hard")
+    speech_audio, rate = soundfile.read(clips[0][0], dtype="float32")
+    rng = np.random.default_rng(0)
+    noisy = np.clip(speech_audio + rng.standard_normal(len(speech_audio)).astype(np.float32) * 0.1, -1, 1)
+    made = {
+        "speech": speech_audio,
+        "quiet": np.concatenate([np.zeros(20 * rate, np.float32), speech_audio]),
+        "noisy": noisy,
+        "noise": rng.standard_normal(8 * rate).astype(np.float32) * 0.05,
+    }
+    paths = {}
+    for name, audio in made.items():
+        paths[name] = out / f"{name}.wav"
+        soundfile.write(paths[name], audio, rate, subtype="PCM_16")
+    return paths
+
+
+def test_no_speech_prob_is_openai_whispers(stt_engine, whisper_model, hard_clips):
+    """verbose_json's no_speech_prob: the <|nospeech|> (<|nocaptions|>) probability after <|startoftranscript|>,
+    from the alignment's encoder pass, against transformers' Whisper (float32) on the same weights and features:
+    equal within the engine's bfloat16 rounding; high for noise, low for speech."""
+    import soundfile
+    import torch
+    from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_model).eval()
+    extractor = WhisperFeatureExtractor.from_pretrained(whisper_model)
+    tokenizer = AutoTokenizer.from_pretrained(whisper_model)
+    sot, no_speech = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|nocaptions|>"])
+    ours = {}
+    for name in ("speech", "quiet", "noise"):
+        doc = post(stt_engine, hard_clips[name], PLUGIN, response_format="verbose_json").json()
+        assert doc["segments"], (name, doc)  # each decodes to some text, so it has segments to carry the figure
+        assert len({s["no_speech_prob"] for s in doc["segments"]}) == 1  # one window: one figure
+        ours[name] = doc["segments"][0]["no_speech_prob"]
+        audio, rate = soundfile.read(hard_clips[name], dtype="float32")
+        features = extractor(audio, sampling_rate=rate, return_tensors="pt").input_features
+        with torch.no_grad():
+            logits = model(input_features=features, decoder_input_ids=torch.tensor([[sot]])).logits
+        reference = float(torch.softmax(logits[0, -1].float(), dim=-1)[no_speech])
+        assert ours[name] == pytest.approx(reference, abs=0.02), (name, ours[name], reference)
+    assert ours["speech"] < 0.1 < ours["quiet"] < 0.6 < ours["noise"], ours
+
+
+@pytest.fixture(scope="module")
+def guarded_engine(whisper_model: Path, patched_vllm: Path, logs_dir: Path):
+    """Whisper's guards on, at openai-whisper's values."""
+    env = {"MMCPU_STT_NO_SPEECH_THRESHOLD": "0.6", "MMCPU_STT_TEMPERATURE_FALLBACK": "0.2,0.4,0.6,0.8,1.0"}
+    engine = test_engine(whisper_model, logs_dir, "stt-guards", env=env).start()
+    yield engine
+    assert_native_then_stop(engine)
+
+
+def guard_lines(engine, since: int) -> list[str]:
+    return [line.split("] ", 1)[-1] for line in engine.log().splitlines() if "mmcpu.stt window" in line][since:]
+
+
+def test_guards_fall_back_and_drop_silence(guarded_engine, stt_engine, hard_clips):
+    """With the guards on: a confident decode is untouched (the same text as without them, no retry); an unsure
+    one (speech under noise) is decoded again at rising temperatures, and its segments say which one was kept;
+    noise whose <|nospeech|> is likely and whose decode is unsure is silence: no text, and no retry."""
+    seen = len(guard_lines(guarded_engine, 0))
+    plain = post(stt_engine, hard_clips["speech"], PLUGIN).json()["text"]
+    assert post(guarded_engine, hard_clips["speech"], PLUGIN, seed="1").json()["text"] == plain
+    assert guard_lines(guarded_engine, seen) == []
+
+    doc = post(guarded_engine, hard_clips["noisy"], PLUGIN, response_format="verbose_json", seed="1").json()
+    retries = guard_lines(guarded_engine, seen)
+    assert retries and retries[0] == "mmcpu.stt window 0: logprob, decoded again at temperature 0.2", retries
+    kept = float(retries[-1].rsplit(" ", 1)[1])
+    assert doc["segments"] and {s["temperature"] for s in doc["segments"]} == {kept}, doc
+
+    seen = len(guard_lines(guarded_engine, 0))
+    assert post(guarded_engine, hard_clips["noise"], PLUGIN, seed="1").json()["text"] == ""
+    [line] = guard_lines(guarded_engine, seen)
+    assert line.startswith("mmcpu.stt window 0: no speech (p=") and line.endswith("its text dropped"), line
+    assert post(stt_engine, hard_clips["noise"], PLUGIN).json()["text"].strip()  # without the guard: a hallucination

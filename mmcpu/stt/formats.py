@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 import string
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from mmcpu.stt import guards
 
 # Whisper's timestamp tokens are 20 ms apart (<|0.00|>, <|0.02|>, ...).
 TIMESTAMP_STEP_S = 0.02
@@ -22,9 +23,10 @@ class Segment:
     tokens: list[int]
     avg_logprob: float
     seek: int  # openai-whisper's seek: the window's start in mel frames (100 per second)
+    no_speech_prob: float | None = None  # its window's, from the alignment's encoder pass (None: not computed)
+    temperature: float | None = None  # its window's decode, when the fallback raised it (None: the request's)
 
     def as_openai(self, number: int, temperature: float) -> dict[str, Any]:
-        data = self.text.encode("utf-8")
         return {
             "id": number,
             "seek": self.seek,
@@ -32,11 +34,11 @@ class Segment:
             "end": self.end,
             "text": self.text,
             "tokens": self.tokens,
-            "temperature": temperature,
+            "temperature": temperature if self.temperature is None else self.temperature,
             "avg_logprob": self.avg_logprob,
             # A high ratio (repetitive text) hints at a hallucination loop, as in openai-whisper.
-            "compression_ratio": len(data) / max(1, len(zlib.compress(data))),
-            "no_speech_prob": None,  # not computed yet (issue 38 item 7)
+            "compression_ratio": guards.compression_ratio(self.text),
+            "no_speech_prob": self.no_speech_prob,
         }
 
 

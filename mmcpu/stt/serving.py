@@ -29,6 +29,7 @@ from typing import Any, cast
 import numpy as np
 
 from mmcpu.stt import formats
+from mmcpu.stt.guards import Guards
 from mmcpu.stt.protocol import StreamInputTokenDetails, StreamUsage, TextDeltaEvent, TextDoneEvent
 from mmcpu.whisper_align import Word
 
@@ -123,6 +124,20 @@ class SpeechServing:
         if self.whisper and get_settings().stt_timestamps == "align":
             aligner = whisper_align.WordTimestamps(self.model_config, self.tokenizer)
             self.aligner = aligner if aligner.available else None
+        settings = get_settings()
+        self.guards = Guards(
+            compression_ratio_threshold=settings.stt_compression_ratio_threshold,
+            logprob_threshold=settings.stt_logprob_threshold,
+            no_speech_threshold=settings.stt_no_speech_threshold,
+            fallback=tuple(settings.stt_temperature_fallback),
+        )
+        # <|nospeech|> (<|nocaptions|> in the English-only checkpoints' vocabulary), for no_speech_prob.
+        self.no_speech: int | None = None
+        if self.tokenizer is not None:
+            vocab = self.tokenizer.get_vocab()
+            self.no_speech = vocab.get("<|nospeech|>", vocab.get("<|nocaptions|>"))
+        if self.guards.no_speech_threshold is not None and (self.aligner is None or self.no_speech is None):
+            logger.warning("MMCPU_STT_NO_SPEECH_THRESHOLD needs the alignment method and <|nospeech|>: it is off")
         # Decoding and resampling audio is CPU work: off the event loop, a few at a time.
         self.executor = ThreadPoolExecutor(
             max_workers=_vllm_envs().VLLM_MAX_AUDIO_PREPROCESS_WORKERS, thread_name_prefix="mmcpu-stt"
@@ -382,6 +397,76 @@ class SpeechServing:
         await self.detect_language(request, clip)
         return clip
 
+    async def _guarded(
+        self,
+        request: Any,
+        window: Window,
+        timestamped: bool,
+        params: Any,
+        rid: str,
+        ids: list[str],
+        temperatures: list[float | None],
+        index: int,
+    ) -> Any:
+        """One window's decode under Whisper's guards (:mod:`mmcpu.stt.guards`; off unless set): decoded again at
+        the fallback's next temperature while its text loops or its logprob is low (``temperatures[index]`` then
+        records the one kept); taken as silence (no text) when ``<|nospeech|>`` is likely and the decode not
+        confident. Every retry's request id joins ``ids``, so a cancelled request aborts it too."""
+        prompt = self.prompt(request, window.audio, timestamped)
+        final = await self._final(prompt, params, rid)
+        schedule = self.guards.schedule(params.temperature)
+        for attempt, temperature in enumerate([*schedule[1:], None], start=1):
+            out = final.outputs[0]
+            if await self._silence(window, out, index):
+                # As openai-whisper: a silent window is not retried (its low logprob is the silence's).
+                out.text, out.token_ids, out.logprobs = "", [self.eot], []
+                break
+            why = self.guards.needs_fallback(self.model_cls.post_process_output(out.text), self._logprobs(out))
+            if why is None or temperature is None:
+                break
+            logger.info("mmcpu.stt window %d: %s, decoded again at temperature %g", index, why, temperature)
+            retry = params.clone()
+            retry.temperature = temperature
+            ids.append(f"{rid}-t{attempt}")
+            final = await self._final(prompt, retry, ids[-1])
+            temperatures[index] = temperature
+        return final
+
+    async def _silence(self, window: Window, out: Any, index: int) -> bool:
+        """The no-speech rule on one decode (off unless MMCPU_STT_NO_SPEECH_THRESHOLD): only a decode that is not
+        confident pays the engine's encoder pass for no_speech_prob."""
+        if self.guards.no_speech_threshold is None or self.aligner is None or self.no_speech is None:
+            return False
+        logprobs = self._logprobs(out)
+        if not self.guards.is_silence(1.0, logprobs):  # confident: speech whatever no_speech_prob is
+            return False
+        probability = await self.no_speech_probability(window)
+        if self.guards.is_silence(probability, logprobs):
+            logger.info("mmcpu.stt window %d: no speech (p=%.2f), its text dropped", index, probability)
+            return True
+        return False
+
+    def _logprobs(self, out: Any) -> list[float | None]:
+        """The sampled tokens' logprobs (text tokens and <|endoftext|>, as openai-whisper averages them)."""
+        return [
+            (lp.get(t).logprob if lp and lp.get(t) is not None else None)
+            for t, lp in zip(out.token_ids, out.logprobs or [], strict=False)
+        ]
+
+    async def no_speech_probability(self, window: Window) -> float:
+        """openai-whisper's no_speech_prob of one window: the engine's encoder pass and one decoder position
+        (the alignment's worker method with <|startoftranscript|> alone)."""
+        from mmcpu.whisper_align import WORKER_METHOD
+
+        assert self.aligner is not None and self.no_speech is not None
+        loop = asyncio.get_running_loop()
+        mel, num_frames = await loop.run_in_executor(self.executor, self.aligner.features, window.audio)
+        heads = [list(h) for h in self.aligner.heads or []]
+        [(_, _, probability)] = await self.engine.collective_rpc(
+            WORKER_METHOD, args=(mel.tobytes(), list(mel.shape), [self.aligner.sot], heads, num_frames, self.no_speech)
+        )
+        return float(probability)
+
     async def _final(self, prompt: Any, params: Any, request_id: str) -> Any:
         final = None
         async for out in self.engine.generate(prompt, params, request_id):
@@ -397,14 +482,16 @@ class SpeechServing:
         aligned = fmt in TIMESTAMPED and self.aligner is not None
         timestamped = fmt in TIMESTAMPED and not aligned  # decoded under the timestamp rules
         want_logprobs = fmt == "json" and "logprobs" in self.include(request)
-        params = self.sampling(request, timestamped, logprobs=aligned or want_logprobs)
+        guarded = bool(self.guards.fallback) or self.guards.no_speech_threshold is not None
+        params = self.sampling(request, timestamped, logprobs=aligned or want_logprobs or guarded)
         base = f"mmcpu-stt-{self.task}-{uuid.uuid4().hex}"
         ids = [f"{base}-{i}" for i in range(len(windows))]
+        temperatures: list[float | None] = [None] * len(windows)
         try:
             finals = await asyncio.gather(
                 *(
-                    self._final(self.prompt(request, w.audio, timestamped), params, rid)
-                    for w, rid in zip(windows, ids, strict=False)
+                    self._guarded(request, w, timestamped, params, rid, ids, temperatures, i)
+                    for i, (w, rid) in enumerate(zip(windows, ids, strict=False))
                 )
             )
         except BaseException:
@@ -416,7 +503,10 @@ class SpeechServing:
         if aligned:
             granularities = set(getattr(request, "timestamp_granularities", None) or [])
             timed = await asyncio.gather(
-                *(self.align(request, w, f, t) for w, f, t in zip(windows, finals, texts, strict=True))
+                *(
+                    self.align(request, w, f, t, temperature)
+                    for w, f, t, temperature in zip(windows, finals, texts, temperatures, strict=True)
+                )
             )
             for index, (window_segments, window_words) in enumerate(timed):
                 clip.to_clip(index, window_segments, seek=True)
@@ -472,7 +562,7 @@ class SpeechServing:
         return doc
 
     async def align(
-        self, request: Any, window: Window, final: Any, text: str
+        self, request: Any, window: Window, final: Any, text: str, temperature: float | None = None
     ) -> tuple[list[formats.Segment], list[Word]]:
         """A window's segments and words from json's decode of it (``final``, whose text is ``text``): one
         teacher-forced alignment forward of that decode's tokens in the engine (``collective_rpc``), then DTW and
@@ -488,8 +578,9 @@ class SpeechServing:
         mel, num_frames = await loop.run_in_executor(self.executor, self.aligner.features, window.audio)
         ids, n_sot = self.aligner.alignment_tokens(final.prompt_token_ids or [], tokens)
         heads = [list(h) for h in self.aligner.heads or []]
-        [(raw, shape)] = await self.engine.collective_rpc(
-            WORKER_METHOD, args=(mel.tobytes(), list(mel.shape), ids, heads, num_frames)
+        # The same encoder pass also gives the window's no_speech_prob (openai-whisper's, at <|startoftranscript|>).
+        [(raw, shape, *no_speech)] = await self.engine.collective_rpc(
+            WORKER_METHOD, args=(mel.tobytes(), list(mel.shape), ids, heads, num_frames, self.no_speech)
         )
         # Rows from <|notimestamps|> to the last text token (the <|endoftext|> row predicts nothing).
         matrix = np.frombuffer(raw, dtype=np.float32).reshape(tuple(shape))[n_sot:-1]
@@ -498,9 +589,13 @@ class SpeechServing:
             for t, lp in zip(out.token_ids, out.logprobs or [], strict=False)
             if t < self.eot
         ]
-        return await loop.run_in_executor(
+        segments, words = await loop.run_in_executor(
             self.executor, self._aligned_segments, request, window, matrix, tokens, logprobs, text
         )
+        for segment in segments:
+            segment.no_speech_prob = round(float(no_speech[0]), 6) if no_speech else None
+            segment.temperature = temperature
+        return segments, words
 
     def _aligned_segments(
         self,
