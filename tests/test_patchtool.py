@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import os
 import py_compile
+import re
 import shutil
 import subprocess
 import sys
@@ -696,3 +697,30 @@ def test_a_patch_built_on_an_earlier_one(site, tmp_path):
     assert run("check", "--site", s, patches=patches).returncode == 0
     assert run("revert", "--site", s, patches=patches).returncode == 0
     assert snapshot(s) == pristine
+
+
+# An import of this project's package, in any form Python code can spell it.
+IMPORTS_MMCPU = re.compile(
+    r"^\s*(from\s+mmcpu\b|import\s+mmcpu\b)|import_module\(\s*[\"']mmcpu\b|__import__\(\s*[\"']mmcpu\b", re.M
+)
+
+
+def test_nothing_in_vllm_imports_mmcpu(patched_vllm):
+    """The dependency runs one way: mmcpu extends vLLM through its plugin groups, and no vLLM file - as shipped or
+    as our patches leave it - imports mmcpu. Checked on the series' added lines and on the patched venv's vLLM."""
+    for version in VERSIONS:
+        for p in series_patches(version):
+            added = "\n".join(
+                line[1:] for line in p.body.splitlines() if line.startswith("+") and not line.startswith("+++")
+            )
+            assert not IMPORTS_MMCPU.search(added), f"{p.name} ({version}) makes vLLM import mmcpu"
+    offenders = [
+        str(path.relative_to(patched_vllm))
+        for path in (patched_vllm / "vllm").rglob("*.py")
+        if IMPORTS_MMCPU.search(path.read_text(encoding="utf-8", errors="replace"))
+    ]
+    assert offenders == [], offenders
+    # The check sees an import when there is one (a line of the kind the speech patches once added).
+    assert IMPORTS_MMCPU.search("x = 1\n            from mmcpu.whisper_align import WordTimestamps\n")
+    assert IMPORTS_MMCPU.search('mod = importlib.import_module("mmcpu.vad")')
+    assert not IMPORTS_MMCPU.search("# mmcpu.vad (patch 0023): from the mmcpu package")
