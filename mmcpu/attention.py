@@ -418,7 +418,9 @@ def install(module) -> bool:
         return False
     lib = torch.library.Library("vllm", "IMPL", "CPU")
     # torch may warn (once per process) that a kernel was overridden: that is the intent, and the line below says so.
-    lib.impl(VLLM_OP, vllm_kernel)
+    # allow_override: vLLM registered its CPU kernel from Python too, and torch before 2.13 refuses a second Python
+    # kernel for the same key unless asked (2.13 made it the default).
+    lib.impl(VLLM_OP, vllm_kernel, allow_override=True)
     _vllm_lib = lib
     logger.info(
         "encoder attention: torch.ops.vllm.%s (%s) runs mmcpu.attention on CPU; kernel chosen per shape",

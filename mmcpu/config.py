@@ -150,7 +150,8 @@ class Settings(BaseSettings):
         "plugin",
         description="who answers POST /v1/audio/transcriptions and /translations on a speech engine. plugin = the "
         "mmcpu.stt package (a vllm.endpoint_plugins route; the launcher sets VLLM_PLUGINS=mmcpu,mmcpu_stt for speech "
-        "engines and refuses to start one without it): it serves the speech API and hands LoRA / unknown model names "
+        "engines and refuses to start one without it, or on a vLLM without MRV2's logits-processor interface, such as "
+        "the proof line 0.26): it serves the speech API and hands LoRA / unknown model names "
         "and diarized_json to vLLM's serving (docs/api.md#the-speech-package). vllm = "
         "opt out: vLLM's own speech serving (no chunking_strategy, timestamps of vLLM's own, vLLM's stream chunks)",
     )

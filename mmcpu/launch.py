@@ -158,6 +158,13 @@ def stt_plugin_preflight() -> str | None:
         found[0].load()()
     except Exception as exc:
         return f"MMCPU_STT_ROUTES=plugin: the {PLUGIN_NAME} plugin does not load: {type(exc).__name__}: {exc}"
+    # The package's timestamps are an MRV2 logits processor: without that interface (0.26) the plugin would fail
+    # in its init_state, after the engine has loaded.
+    if not mrv2_logits_processors():
+        return (
+            "MMCPU_STT_ROUTES=plugin needs vLLM's MRV2 logits-processor interface, which this vLLM lacks: "
+            "set MMCPU_STT_ROUTES=vllm"
+        )
     return None
 
 

@@ -25,6 +25,9 @@ def read(path: Path = LINES_FILE) -> dict[str, str]:
 _LINES = read()
 DEFAULT: str = _LINES["VLLM_DEFAULT"]
 PROOF: str = _LINES["VLLM_PROOF"]
+# The settings the proof line's engines run with. It has no native MRV2 kernels (Triton's interpreter), and no MRV2
+# logits-processor interface, which the speech package's timestamps need: vLLM's own speech routes serve it.
+PROOF_ENV: dict[str, str] = {"MMCPU_KERNELS": "interpreter", "MMCPU_STT_ROUTES": "vllm"}
 
 
 def requirements(version: str) -> Path:

@@ -192,7 +192,7 @@ def _assert_number(value, what):
 
 
 def test_verbose_json_matches_openai_types(whisper_engine, clips):
-    """patches/0012: duration is a number and usage is there; every other field has OpenAI's type."""
+    """Duration is a number and usage is there; every field has OpenAI's type, no_speech_prob included."""
     clip, text = clips[0]
     body = _verbose_raw(whisper_engine, clip, hard_inputs.TRANSCRIPTIONS)
     _assert_number(body["duration"], "duration")
@@ -206,9 +206,10 @@ def test_verbose_json_matches_openai_types(whisper_engine, clips):
             _assert_number(seg[key], key)
         assert isinstance(seg["id"], int) and isinstance(seg["seek"], int)
         assert all(isinstance(t, int) for t in seg["tokens"]) and isinstance(seg["text"], str)
-        assert seg["no_speech_prob"] is None  # vLLM does not compute it (patch header: known difference)
-    # OpenAI's own model accepts the body once the one known gap is filled in.
-    TranscriptionVerbose.model_validate({**body, "segments": [{**s, "no_speech_prob": 0.0} for s in body["segments"]]})
+        _assert_number(seg["no_speech_prob"], "no_speech_prob")
+        assert 0.0 <= seg["no_speech_prob"] < 0.5, seg  # speech, so Whisper's no-speech token is unlikely
+    # OpenAI's own model accepts the body as it is.
+    TranscriptionVerbose.model_validate(body)
 
 
 def test_verbose_json_parses_without_warnings(whisper_engine, clips):

@@ -5,7 +5,8 @@ requests pass with the three fixes applied, on the same line and on the default 
 Both proof-line engines run the proof venv's interpreter (``proof_python``): "unpatched" with the ``unpatched_vllm``
 overlay shadowing its patched copy on PYTHONPATH, "patched" on the venv itself, which carries the line's whole
 series. The proof line has no native MRV2 kernels (they target the default line), so both run vLLM's kernels in
-Triton's interpreter (MMCPU_KERNELS=interpreter, which serves float32).
+Triton's interpreter (MMCPU_KERNELS=interpreter, which serves float32), and Whisper through vLLM's own speech routes
+(``lines.PROOF_ENV``).
 """
 
 from __future__ import annotations
@@ -16,18 +17,17 @@ import openai
 import pytest
 
 from mmcpu.config import VISION_LIMIT_ARGS
-from mmcpu_dev import speech
+from mmcpu_dev import lines, speech
 from mmcpu_dev.checks import WER_LIMIT
 from mmcpu_dev.payloads import image_chat_kwargs, test_image, transcription_kwargs
 from mmcpu_dev.servers import MRV2_LOG_LINE, Engine
 
 pytestmark = pytest.mark.slow
 KNOWN_ERROR = "Found no NVIDIA driver on your system"
-PROOF_ENV = {"MMCPU_KERNELS": "interpreter"}
 
 
 def proof_engine(model: Path, python: Path, log: Path, overlay: Path | None = None, **kw) -> Engine:
-    return Engine(model=model, log_path=log, python=python, pythonpath=overlay, env=PROOF_ENV, **kw)
+    return Engine(model=model, log_path=log, python=python, pythonpath=overlay, env=lines.PROOF_ENV, **kw)
 
 
 def assert_proof_line(engine: Engine) -> None:

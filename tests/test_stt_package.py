@@ -5,6 +5,9 @@ tests/test_stt_plugin.py serves it."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -136,6 +139,11 @@ def test_the_launcher_refuses_a_plugin_that_is_missing_or_broken(monkeypatch):
     installed()
     assert "not installed" in launch.stt_plugin_preflight()
     installed(importlib.metadata.EntryPoint(PLUGIN_NAME, "mmcpu.stt.nowhere:factory", "vllm.endpoint_plugins"))
+    installed(real)
+    with monkeypatch.context() as m:
+        m.setattr(launch, "mrv2_logits_processors", lambda: False)  # a vLLM like 0.26 (detection: the next test)
+        assert "MMCPU_STT_ROUTES=vllm" in launch.stt_plugin_preflight()
+    installed(importlib.metadata.EntryPoint(PLUGIN_NAME, "mmcpu.stt.nowhere:factory", "vllm.endpoint_plugins"))
     assert "does not load" in launch.stt_plugin_preflight()
     # preflight asks only under MMCPU_STT_ROUTES=plugin (the default) and only for a speech engine
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
@@ -144,3 +152,14 @@ def test_the_launcher_refuses_a_plugin_that_is_missing_or_broken(monkeypatch):
     assert launch.preflight(Settings(runner="v2", triton_interpret=False), env=cxx, kinds=("vision",)) is None
     reason = launch.preflight(Settings(runner="v2", triton_interpret=False), env=cxx, kinds=("vision", "audio"))
     assert reason and "does not load" in reason
+
+
+def test_the_logits_processor_interface_is_detected_in_the_vllm_on_the_path(tmp_path):
+    """The check the launcher's preflight runs, on this venv's vLLM (0.32: present) and on a vLLM tree without the
+    interface put in front of it, as a proof-line overlay is (absent)."""
+    probe = [sys.executable, "-c", "from mmcpu import launch; print(launch.mrv2_logits_processors())"]
+    assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == "True"
+    (tmp_path / "vllm" / "v1").mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    assert subprocess.run(probe, capture_output=True, text=True, check=True, env=env).stdout.strip() == "False"

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from mmcpu.config import Settings
+from mmcpu_dev import lines as release_lines
 from mmcpu_dev import speech
 
 # --- the fixed workload ------------------------------------------------------------------------------------------
@@ -478,7 +479,6 @@ def build(
     on its weights; the proof line's engines against the default line's (``lines``: None = full and lines); ours
     also through the stack, the gateway in front and the vision engine beside it (``stack``: None = full and
     quick)."""
-    from mmcpu_dev import lines as release_lines
 
     model, args, full = role_engine("audio", settings)
     source = ct2_source(model) or "whisper-tiny.en"
@@ -620,7 +620,8 @@ def add_lines(plan: Plan, settings: Settings, default: str, proof: str, python: 
                     python=python,
                     levels=levels[role],
                     reps=1,
-                    env=INTERPRETER if mrv2 else {},
+                    # the proof line's settings; its V1 engines run vLLM's own kernels: only the speech routes
+                    env={**release_lines.PROOF_ENV, **INTERPRETER} if mrv2 else {"MMCPU_STT_ROUTES": "vllm"},
                     label=label + (" (Triton interpreter)" if mrv2 else ""),
                 )
             )

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mmcpu_dev import lines as release_lines
+
 from .harness import LOGS, REPO_ROOT, Config, Docker, Figures, Stack, run, say, wait_for
 
 
@@ -131,9 +133,9 @@ def unpatched_run(cfg: Config, docker: Docker, compose: list[str], figures: Figu
     The smoke's requests must be the first the engines see (no 1-token health probe), and nothing restarts: each
     engine exits after its first failing request, which ends the stack (--exit-code-from implies
     --abort-on-container-exit)."""
-    # The proof line has no native MRV2 kernels. Its image says MMCPU_KERNELS=interpreter, but compose.yaml passes
+    # The proof line's settings (no native MRV2 kernels: its image says MMCPU_KERNELS=interpreter). compose.yaml passes
     # every MMCPU_* setting through from the shell, empty when unset there, which would win over the image's.
-    env = {"MMCPU_HEALTH_PROBE_S": "0", "MMCPU_RESTART": "no", "MMCPU_KERNELS": "interpreter"}
+    env = {"MMCPU_HEALTH_PROBE_S": "0", "MMCPU_RESTART": "no", **release_lines.PROOF_ENV}
     log_path = LOGS / "stack-unpatched.log"
     with Stack("unpatched", images.unpatched, cfg, docker, compose, figures, env) as stack:
         say(f"stack unpatched ({images.unpatched}) on {stack.gateway}; the smoke must fail (log {log_path})")
