@@ -77,13 +77,22 @@ def test_entry_point_is_registered():
     assert declared["vllm.general_plugins"] == {"mmcpu": "mmcpu.plugin:register"}
 
 
-def test_register_without_the_interpreter_adds_only_word_alignment_and_the_media_connector(monkeypatch):
+def test_register_without_the_interpreter_adds_only_word_alignment_its_encoder_stash_and_the_media_connector(
+    monkeypatch,
+):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     before = list(sys.meta_path)
     plugin.register()
     added = [f for f in sys.meta_path if f not in before]
     sys.meta_path[:] = before
-    allowed = {plugin.add_word_alignment, plugin.add_media_connector}
+    from mmcpu import encoder_stash
+
+    allowed = {
+        plugin.add_word_alignment,
+        plugin.add_media_connector,
+        plugin.trim_whisper_features,
+        encoder_stash.install,
+    }
     assert all(isinstance(f, plugin._AfterImport) and f.callback in allowed for f in added)
 
 
