@@ -47,6 +47,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from mmcpu import encoder_stash
+
 # A child of vLLM's logger: the lines land in the engine log with vLLM's format and level.
 logger = logging.getLogger("vllm.mmcpu.plugin")
 
@@ -66,6 +68,7 @@ def register() -> None:
     after_import(WORKER_MODULE, add_word_alignment)
     after_import(WHISPER_FEATURES_MODULE, trim_whisper_features)
     after_import(ENCODER_ATTENTION_MODULE, route_encoder_attention)
+    after_import(WORKER_MODULE, encoder_stash.install)  # Whisper's encoder outputs kept for the word alignment
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     after_import(WORKER_MODULE, hook_cpu_worker)

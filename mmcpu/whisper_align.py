@@ -6,7 +6,8 @@ each 30 s window's decoded text and times every word, the way openai-whisper (``
 
 1. **engine** (:func:`worker_cross_attention`, a method of vLLM's CPU worker added by :mod:`mmcpu.plugin`, called
    by the API server with ``engine_client.collective_rpc``): one more forward pass of the loaded
-   ``WhisperForConditionalGeneration`` - its encoder over the window's log-mel features, then its decoder over
+   ``WhisperForConditionalGeneration`` - its encoder over the window's log-mel features (the decode's output, when
+   kept: see below), then its decoder over
    ``<|startoftranscript|>[<|lang|><|task|>]<|notimestamps|> text tokens <|endoftext|>`` in plain torch (the
    decoder's own linears, layer norms and embeddings, so an int8 checkpoint runs its quantised linears) with
    explicit cross-attention, only up to the last layer that holds an alignment head. The weights of the
@@ -20,16 +21,32 @@ each 30 s window's decoded text and times every word, the way openai-whisper (``
    length, and every time is offset by the window's start.
 
 A request without ``"word"`` pays nothing: no extra forward pass, no extra call to the engine.
+
+The alignment reuses what the window's decode computed: its log-mel features on the API server (the feature
+extractor remembers its last results, :mod:`mmcpu.features`, so :meth:`WordTimestamps.features` gets a copy of the
+multimodal processor's) and its encoder output in the worker (:mod:`mmcpu.encoder_stash` keeps the last windows'
+outputs, keyed by a hash of the features as the encoder received them; the alignment casts the same float32
+features to the model's dtype, so the keys match). Either one recomputed on a miss, with the same result (a batched
+decode's encoder output may differ from a lone window's by float rounding). The engine logs each alignment: its
+time and whether the encoder output was reused.
 """
 
 from __future__ import annotations
 
+import logging
 import string
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from mmcpu.encoder_stash import Stash
+
+# A child of vLLM's logger: the engine's lines land in its log with vLLM's format and level.
+logger = logging.getLogger("vllm.mmcpu.whisper_align")
 
 # The worker method mmcpu.plugin adds to vLLM's CPU worker (the name the API server passes to collective_rpc).
 WORKER_METHOD = "mmcpu_whisper_cross_attention"
@@ -73,16 +90,31 @@ def worker_cross_attention(
     heads: Sequence[Sequence[int]],
     num_frames: int,
     no_speech: int | None = None,
+    reuse: bool = True,
 ) -> tuple[bytes, tuple[int, int]] | tuple[bytes, tuple[int, int], float]:
     """vLLM's CPU worker method (see :mod:`mmcpu.plugin`): the head-averaged, filtered cross-attention matrix
     (len(tokens) x num_frames // 2) of ``tokens`` over the window's log-mel ``features`` (float32 bytes of
     ``shape``, mel bins x 3000). Arrays travel as raw float32 bytes: vLLM's utility calls carry no array types.
     With ``no_speech`` (the ``<|nospeech|>`` token id) a third item: that token's probability after
     ``tokens[0]`` (``<|startoftranscript|>``), openai-whisper's ``no_speech_prob``, from the same encoder pass;
-    ``tokens`` may then be that one token alone (no alignment: an empty matrix)."""
+    ``tokens`` may then be that one token alone (no alignment: an empty matrix). The encoder's output over
+    ``features`` comes from :mod:`mmcpu.encoder_stash` when the window's decode left it there (``reuse=False``: always
+    computed, for comparisons)."""
+    from mmcpu.encoder_stash import STASH, Stash
+
+    t0, hits = time.perf_counter(), STASH.hits
     mel = np.frombuffer(features, dtype=np.float32).reshape(tuple(shape))
-    matrix, probability = cross_attention(
-        worker.model_runner.get_model(), mel, tokens, heads, num_frames, no_speech=no_speech
+    stash = STASH if reuse else Stash()
+    model = worker.model_runner.get_model()
+    matrix, probability = cross_attention(model, mel, tokens, heads, num_frames, no_speech=no_speech, stash=stash)
+    # One line per window: what an alignment costs the engine, and whether the decode's encoder output served it.
+    logger.info(
+        "Whisper alignment: %d tokens, encoder output %s, %.1f ms (stash: %d hits, %d misses)",
+        len(tokens),
+        "reused" if STASH.hits > hits else "computed",
+        (time.perf_counter() - t0) * 1e3,
+        STASH.hits,
+        STASH.misses,
     )
     shape_out = (int(matrix.shape[0]), int(matrix.shape[1]))
     if no_speech is None:
@@ -98,10 +130,14 @@ def cross_attention(
     num_frames: int,
     *,
     no_speech: int | None = None,
+    stash: Stash | None = None,
 ) -> tuple[np.ndarray, float | None]:
     """The alignment matrix (empty when ``tokens`` is ``<|startoftranscript|>`` alone) and, with ``no_speech``,
-    the probability of that token after ``tokens[0]``."""
+    the probability of that token after ``tokens[0]``. The encoder's output comes from ``stash`` (default: the
+    worker's :data:`mmcpu.encoder_stash.STASH`) when the window's decode left it there."""
     import torch
+
+    from mmcpu import encoder_stash
 
     if not (hasattr(model, "model") and hasattr(model.model, "encoder") and hasattr(model.model, "decoder")):
         raise AlignmentError(f"{type(model).__name__} is not a Whisper encoder-decoder model")
@@ -115,9 +151,11 @@ def cross_attention(
     last = max(la for la, _ in pairs)
     dtype = next(model.parameters()).dtype
     with torch.inference_mode():
+        # Cast as the model casts the processor's features for the decode: the same bytes, the same stash key.
         mel = torch.as_tensor(np.asarray(features)).to(dtype)
-        # The encoder exactly as the engine runs it (its attention needs no forward context).
-        audio = model.model.get_encoder_outputs([mel])[0]  # (1500, d)
+        # The decode's encoder output, or the encoder exactly as the engine runs it (its attention needs no forward
+        # context).
+        audio, _ = encoder_stash.encoder_output(model.model, mel, encoder_stash.STASH if stash is None else stash)
         probability = None if no_speech is None else _no_speech_probability(model, audio, int(tokens[0]), no_speech)
         if len(tokens) < 2:
             return np.zeros((0, n_audio), dtype=np.float32), probability

@@ -88,3 +88,71 @@ def test_plugin_installs_it_once_and_the_extractor_uses_it(extractor, monkeypatc
     want = extractor(audio[: 3 * 16000], sampling_rate=16000, return_tensors="np").input_features
     assert got.shape == (1, 80, 3000)
     np.testing.assert_array_equal(got, want)
+
+
+# The memo: the word alignment's features call after the decode's (mmcpu/features.py, MEMO_BYTES).
+
+
+@pytest.fixture
+def memo(extractor, monkeypatch) -> features.Memo:
+    """A fresh memo around the trimmed log-mel, installed on the extractor class as the plugin installs it."""
+    memo = features.Memo()
+    cls = feature_extraction_whisper.WhisperFeatureExtractor
+    monkeypatch.setattr(cls, features.ATTRIBUTE, features.memoised(TRIMMED, memo))
+    return memo
+
+
+def uncached(extractor, audio, **kwargs) -> np.ndarray:
+    return extractor(audio, sampling_rate=16000, return_tensors="np", **kwargs).input_features
+
+
+def test_the_same_clip_hits_and_gets_the_same_bits(extractor, memo, monkeypatch):
+    audio = clip(np.random.default_rng(3), 5 * 16000, False)[: 5 * 16000]
+    # The multimodal processor's call (torch tensors, truncation) then the alignment's (numpy): one computation.
+    first = extractor(audio, sampling_rate=16000, truncation=True, return_tensors="pt").input_features.numpy()
+    second = extractor(audio, sampling_rate=16000, truncation=True, return_tensors="np").input_features
+    assert (memo.hits, memo.misses) == (1, 1)
+    second[..., :10] = 99.0  # the caller's own copy: the memo's stays intact
+    third = uncached(extractor, audio)
+    assert (memo.hits, memo.misses) == (2, 1)
+    monkeypatch.setattr(feature_extraction_whisper.WhisperFeatureExtractor, features.ATTRIBUTE, ORIGINAL)
+    want = uncached(extractor, audio)
+    np.testing.assert_array_equal(first, want)
+    np.testing.assert_array_equal(third, want)
+
+
+def test_another_clip_or_call_misses(extractor, memo):
+    rng = np.random.default_rng(4)
+    audio = clip(rng, 4 * 16000, False)[: 4 * 16000]
+    uncached(extractor, audio)
+    other = audio.copy()
+    other[1000] += 1e-3  # one sample
+    uncached(extractor, other)
+    uncached(extractor, audio, do_normalize=True)  # a different waveform reaches the log-mel
+    uncached(extractor, audio[:-160])  # another length, padded to the same 30 s: a different waveform
+    more_mels = WhisperFeatureExtractor(feature_size=128)  # another extractor: other mel filters
+    got = uncached(more_mels, audio)
+    assert got.shape == (1, 128, 3000)
+    assert (memo.hits, memo.misses) == (0, 5)
+    uncached(extractor, other)
+    assert (memo.hits, memo.misses) == (1, 5)
+
+
+def test_dithered_calls_are_never_remembered(extractor, memo, monkeypatch):
+    monkeypatch.setattr(extractor, "dither", 1e-5)
+    audio = clip(np.random.default_rng(5), 16000, False)[:16000]
+    a, b = uncached(extractor, audio), uncached(extractor, audio)
+    assert (memo.hits, memo.misses) == (0, 0) and not memo.items
+    assert not np.array_equal(a, b)  # noise: each call its own
+
+
+def test_the_memo_is_bounded_in_bytes_least_recently_used_out():
+    block = np.zeros((80, 3000), dtype=np.float32)  # one window: 960 000 bytes
+    memo = features.Memo(max_bytes=3 * block.nbytes)
+    for k in (b"a", b"b", b"c"):
+        memo.put(k, block)
+    assert memo.get(b"a") is not None  # a is now the most recent
+    memo.put(b"d", block)
+    assert memo.bytes == 3 * block.nbytes and set(memo.items) == {b"a", b"c", b"d"}
+    memo.put(b"huge", np.zeros(4 * block.size, dtype=np.float32))  # larger than the whole memo: not kept
+    assert set(memo.items) == {b"a", b"c", b"d"}

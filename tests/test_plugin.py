@@ -83,11 +83,14 @@ def test_register_without_the_interpreter_adds_no_kernel_hooks(monkeypatch):
     plugin.register()
     added = [f for f in sys.meta_path if f not in before]
     sys.meta_path[:] = before
+    from mmcpu import encoder_stash
+
     allowed = {
         plugin.add_word_alignment,
         plugin.add_media_connector,
         plugin.trim_whisper_features,
         plugin.route_encoder_attention,
+        encoder_stash.install,
     }  # (each only if its module is not imported yet here; hook_cpu_worker never)
     assert all(isinstance(f, plugin._AfterImport) and f.callback in allowed for f in added)
 

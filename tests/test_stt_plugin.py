@@ -20,7 +20,7 @@ import webvtt
 from mmcpu.stt import ROUTE_HEADER
 from mmcpu_dev import speech
 from mmcpu_dev.checks import WER_LIMIT
-from mmcpu_dev.servers import assert_native_then_stop, test_engine
+from mmcpu_dev.servers import assert_native_then_stop, test_engine, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +150,17 @@ def test_verbose_json_one_decode_per_window(stt_engine, clips):
         post(stt_engine, audio, PLUGIN, response_format=fmt)
         costs[fmt] = engine_requests(stt_engine) - before
     assert costs == {"json": 1, "verbose_json": 1}, costs
+
+
+def test_the_alignment_reuses_the_decodes_encoder_output(stt_engine, clips):
+    """A one-window verbose_json: the alignment forward finds the encoder output its decode left in the worker
+    (mmcpu/encoder_stash.py) instead of running the encoder again; the engine logs each alignment."""
+    marker = "Whisper alignment: "
+    before = stt_engine.log().count(marker)
+    post(stt_engine, clips[2][0], PLUGIN, response_format="verbose_json")
+    wait_for(lambda: stt_engine.log().count(marker) > before, 30, "the alignment's log line")
+    lines = [line for line in stt_engine.log().splitlines() if marker in line][before:]
+    assert len(lines) == 1 and "encoder output reused" in lines[0], lines
 
 
 def cue_texts(body: str, response_format: str) -> list[str]:

@@ -427,6 +427,27 @@ def test_base_word_starts_with_a_language_and_detected(base_engine, truth_clips,
         assert_close_to_reference(*compare(base_engine, truth_clips, fw_reference, "whisper-base", language=language))
 
 
+@pytest.mark.slow
+def test_the_alignment_reuses_the_decodes_features_and_encoder_output(whisper_model, patched_vllm, truth_clips):
+    """On a real engine (mmcpu_dev/align_reuse.py, in a process of its own): the alignment's log-mel features are the
+    multimodal processor's (a memo hit, no miss), its encoder output is the decode's (stash hits), and the alignment
+    is the same with the stash and without it: the matrix within float rounding, the same words and times."""
+    import os
+    import sys
+
+    wav = truth_clips[0][0]
+    cmd = [sys.executable, "-m", "mmcpu_dev.align_reuse", "--model", str(whisper_model), "--wav", str(wav)]
+    done = subprocess.run([*cmd, "--reps", "2"], capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\n[alignment reuse: {doc['rpc_ms']}, max |diff| {doc['max_abs_diff']:.2e}, {doc['dtype']}]")
+    assert doc["feature_memo"] == {"hits": 1, "misses": 0}, doc
+    before, after = doc["stash"]["before"], doc["stash"]["after"]
+    assert after["hits"] - before["hits"] == 2 and after["misses"] == before["misses"], doc
+    assert doc["words"] and doc["same_words"], doc
+    assert doc["max_abs_diff"] <= 1e-3, doc
+
+
 def test_a_model_without_alignment_heads_refuses_words():
     """The speech package's check, on a serving object whose model has no alignment heads: "word" is a 400 naming
     timestamp_granularities, and so is any granularity with json."""
