@@ -79,14 +79,20 @@ def test_the_proof_line_runs_the_default_lines_configurations_with_its_interpret
         v1.dtype,
         "v1",
     )
-    assert proof_v1.python == tmp_path / "venv-0.26.0/bin/python" and proof_v1.line == "0.26.0" and not proof_v1.env
+    assert proof_v1.python == tmp_path / "venv-0.26.0/bin/python" and proof_v1.line == "0.26.0"
+    # 0.26 has no MRV2 logits-processor interface, which the speech package needs: vLLM's own speech routes serve
+    assert proof_v1.env == {"MMCPU_STT_ROUTES": "vllm"} and not v1.env
     # MRV2: float32 on both, the proof line under Triton's interpreter, said so
     mrv2, proof_mrv2 = plan.system(pairs["mrv2"].default), plan.system(pairs["mrv2"].proof)
     assert mrv2.dtype == proof_mrv2.dtype == "float32" and proof_mrv2.runner == "v2"
-    assert proof_mrv2.env == {"MMCPU_KERNELS": "interpreter", "MMCPU_DTYPE": "float32"} and not mrv2.env
+    assert proof_mrv2.env == {
+        "MMCPU_KERNELS": "interpreter",
+        "MMCPU_DTYPE": "float32",
+        "MMCPU_STT_ROUTES": "vllm",
+    } and not mrv2.env
     assert "interpreter" in pairs["mrv2"].note and "interpreter" in proof_mrv2.label
     vis = plan.system(pairs["vision_mrv2"].default)
-    assert vis.dtype == "float32" and plan.system(pairs["vision_mrv2"].proof).env == plans.INTERPRETER
+    assert vis.dtype == "float32" and plan.system(pairs["vision_mrv2"].proof).env == proof_mrv2.env
     assert plan.system(pairs["v1"].proof).levels == plans.LINE_LEVELS
     keys = {f.key for f in plan.figures()}
     assert {
