@@ -77,16 +77,30 @@ def start_errors(segment_starts: list[float], truth: list[float]) -> tuple[float
     return statistics.fmean(errors), max(errors)
 
 
+def served_formats(engine: Engine, audio: bytes) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """Warm every path once. Word timestamps may be refused (``MMCPU_STT_TIMESTAMPS=decode`` answers them with a 400):
+    then they are left out of the measurement, and the engine's error message is kept for the table."""
+    formats, refused = dict(FORMATS), None
+    for name, fields in FORMATS.items():
+        try:
+            post(engine, audio, fields)
+        except httpx.HTTPStatusError as e:
+            if name != "words" or e.response.status_code != 400:
+                raise
+            refused = e.response.json()["error"]["message"]
+            del formats[name]
+    return formats, refused
+
+
 def measure(engine: Engine, audio: bytes, truth: list[float], reps: int, rounds: int) -> dict[str, Any]:
-    for fields in FORMATS.values():  # warm-up: every path once
-        post(engine, audio, fields)
-    c1: dict[str, list[float]] = {name: [] for name in FORMATS}
+    formats, words_refused = served_formats(engine, audio)
+    c1: dict[str, list[float]] = {name: [] for name in formats}
     for _ in range(reps):
-        for name, fields in FORMATS.items():
+        for name, fields in formats.items():
             c1[name].append(post(engine, audio, fields)[1])
     c8: dict[str, float] = {}
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        for name, fields in FORMATS.items():
+        for name, fields in formats.items():
             t0 = time.perf_counter()
             for _ in range(rounds):
                 list(pool.map(post, [engine] * CONCURRENCY, [audio] * CONCURRENCY, [fields] * CONCURRENCY))
@@ -94,12 +108,13 @@ def measure(engine: Engine, audio: bytes, truth: list[float], reps: int, rounds:
     json_text = post(engine, audio, FORMATS["json"])[0].json()["text"]
     verbose, _ = post(engine, audio, FORMATS["verbose_json"])
     doc = verbose.json()
-    words, _ = post(engine, audio, FORMATS["words"])
+    words = post(engine, audio, FORMATS["words"])[0] if words_refused is None else None
     starts = [s["start"] for s in doc["segments"]]
     mean, worst = start_errors(starts, truth)
     return {
         "route": verbose.headers.get("mmcpu-stt-route"),
-        "words_route": words.headers.get("mmcpu-stt-route"),
+        "words_route": words.headers.get("mmcpu-stt-route") if words is not None else None,
+        "words_refused": words_refused,
         "c1_s": {name: statistics.median(v) for name, v in c1.items()},
         "c8_rps": c8,
         "words_kept": speech.normalize(doc["text"]).split() == speech.normalize(json_text).split(),
@@ -128,8 +143,11 @@ def table(results: dict[str, dict[str, Any]], fw: tuple[float, float] | None, du
     ]
     for method, r in results.items():
         for name in ("json", "verbose_json", "words"):
-            c1, c8 = r["c1_s"][name], r["c8_rps"][name]
             label = {"json": "json", "verbose_json": "verbose_json (segments)", "words": "verbose_json + words"}[name]
+            if name not in r["c1_s"]:
+                lines.append(f"| {method} | {label} | 400: {r['words_refused']} | | | |")
+                continue
+            c1, c8 = r["c1_s"][name], r["c8_rps"][name]
             if name == "words" and r["words_route"] != "plugin":
                 label += f" ({r['words_route']})"
             kept = "-" if name == "json" else ("yes" if r["words_kept"] else "no")
