@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import openai
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from mmcpu.kernels import dispatch
 from mmcpu.proc import stop_group, tree_rss
@@ -168,6 +169,11 @@ class Engine:
             return httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def sample(self, name: str) -> float:
+        """A sample of the engine's own /metrics (e.g. ``vllm:num_requests_running``), summed over its label sets."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and all its children (API process + engine core)."""

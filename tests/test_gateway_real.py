@@ -110,14 +110,8 @@ def test_two_audio_engines_routed_by_model(whisper_engine, int8_engine, clips):
         served.stop()
 
 
-def engine_sample(engine: Engine, name: str) -> float:
-    """A sample of the vLLM engine's own /metrics, summed over its label sets."""
-    text = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-
 def running_requests(engine: Engine) -> float:
-    return engine_sample(engine, "vllm:num_requests_running")
+    return engine.sample("vllm:num_requests_running")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
@@ -128,7 +122,7 @@ def test_client_disconnect_aborts_the_engine_request(gateway, llava_engine, stre
     assert running_requests(llava_engine) == 0
     max_tokens = 900
     body = image_chat_kwargs([], model=llava_engine.name, max_tokens=max_tokens, stream=stream, temperature=0.0)
-    generated = engine_sample(llava_engine, "vllm:generation_tokens_total")
+    generated = llava_engine.sample("vllm:generation_tokens_total")
     body["ignore_eos"] = True  # vLLM's extra parameter: the generation runs the whole max_tokens
     finished = threading.Event()
 
@@ -148,7 +142,7 @@ def test_client_disconnect_aborts_the_engine_request(gateway, llava_engine, stre
         thread.start()
     assert finished.wait(90), "the client did not get to hang up"
     took = wait_for(lambda: running_requests(llava_engine) == 0, 15, "the engine's running count to drop", poll_s=0.1)
-    tokens = engine_sample(llava_engine, "vllm:generation_tokens_total") - generated
+    tokens = llava_engine.sample("vllm:generation_tokens_total") - generated
     print(
         f"\n[{'streamed' if stream else 'non-streamed'}: engine request aborted {took:.2f} s after the hang-up, "
         f"{tokens:.0f} of {max_tokens} tokens generated]"

@@ -2,14 +2,11 @@
 
 vLLM keeps up to 4 GiB of processed multimodal items in the API server and again in the EngineCore
 (``--mm-processor-cache-gb``). A 3-4 GiB container would be OOM-killed long before that fills with distinct inputs
-(a Whisper clip is a 0.96 MB log-mel window whatever its length). The slow test proves the sized cache evicts:
-with distinct inputs far beyond its size, the engine's memory stops growing and it keeps serving.
+(a Qwen2-VL 448x448 image is 2.4 MB). vLLM keeps none for encoder-decoder models (Whisper). The cache's eviction
+and the engine's memory under distinct images are proven on the vision engine (tests/test_qwen2_vl.py).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,42 +46,18 @@ def test_cgroup_memory_limit(tmp_path, files, expected):
     assert launch.cgroup_memory_limit(tmp_path) == expected
 
 
-def assert_memory_plateaus(engine, send: Callable[[int], object], phase: int, bound_mib: float) -> None:
-    """Warm up, send ``phase`` distinct inputs (``send(i)``, 4 at a time), then ``phase`` more: the second phase
-    must leave the engine's memory within ``bound_mib`` of where the first left it, and the engine up."""
-
-    def run(start: int) -> int:
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(send, range(start, start + phase)))
-        return engine.rss_bytes()
-
-    list(map(send, range(-8, 0)))  # warm-up: buffers and allocator pools reach their working size
-    first = run(0)
-    second = run(phase)
-    assert engine.alive()
-    growth = (second - first) / 2**20
-    print(
-        f"\n[{engine.name}, mm cache {MM_CACHE_GIB} GiB: RSS {first / 2**20:.0f} -> {second / 2**20:.0f} MiB "
-        f"after {phase} more distinct inputs]"
-    )
-    assert growth < bound_mib, f"memory grew {growth:.0f} MiB over {phase} distinct inputs: the cache does not evict"
-
-
-@pytest.mark.slow
-def test_distinct_audio_far_beyond_the_cache_plateaus(whisper_engine):
-    """The session's Whisper engine runs with a small cache (mmcpu_dev.servers.TEST_MM_CACHE_GIB, ~31 clips of 0.96 MB).
-    Without
-    eviction one phase of 64 distinct clips adds ~61 MB to the EngineCore (vLLM's API server keeps only each
-    item's metadata); with it, the second phase leaves memory where the first left it."""
+def test_whisper_engines_keep_no_processed_audio(whisper_engine):
+    """vLLM turns the processor cache off for encoder-decoder models (Whisper): the setting sizes the vision
+    engines' cache only, and an audio engine's memory cannot grow with distinct clips through it. Its counter of
+    cache lookups stays at 0 while the same clip is sent twice (the vision test in tests/test_qwen2_vl.py shows the
+    same counter moving)."""
     engine = whisper_engine
     assert f"--mm-processor-cache-gb {MM_CACHE_GIB:g}" in engine.log()
+    assert "Encoder-decoder model detected, disabling mm processor cache" in engine.log()
     client = engine.client()
-
-    def transcribe(i: int) -> str:
-        clip = audio_file(1.0, tone_hz=200.0 + 3.0 * i)  # a distinct clip (its own hash) per i
-        # One token is enough to send the clip through the processor and the encoder.
-        return client.audio.transcriptions.create(
+    clip = audio_file(1.0, tone_hz=211.0)
+    for _ in range(2):
+        client.audio.transcriptions.create(
             **transcription_kwargs(clip, model=engine.name), extra_body={"max_completion_tokens": 1}
-        ).text
-
-    assert_memory_plateaus(engine, transcribe, phase=64, bound_mib=24)
+        )
+    assert engine.sample("vllm:mm_cache_queries_total") == 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from mmcpu.config import VISION_LIMIT_ARGS, get_settings  # noqa: E402
 from mmcpu_dev import payloads  # noqa: E402  (not `import test_image`: pytest would collect it)
 from mmcpu_dev.fixtures import qwen2_vl  # noqa: E402
 from mmcpu_dev.servers import MRV2_LOG_LINE, Engine, test_engine  # noqa: E402
+from mmcpu_dev.servers import TEST_MM_CACHE_GIB as MM_CACHE_GIB  # noqa: E402
 
 slow = pytest.mark.slow
 
@@ -355,17 +358,72 @@ def test_mrope_kernel_runs_natively(qwen_engine, mrv2_answers):
     assert not counts.interpreted, dict(counts.interpreted)
 
 
+def assert_memory_plateaus(engine: Engine, send: Callable[[int], object], phase: int, bound_mib: float) -> None:
+    """Warm up, send ``phase`` distinct inputs (``send(i)``, 4 at a time), then ``phase`` more: the second phase
+    must leave the engine's memory within ``bound_mib`` of where the first left it, and the engine up."""
+
+    def run(start: int) -> int:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(send, range(start, start + phase)))
+        return engine.rss_bytes()
+
+    list(map(send, range(-8, 0)))  # warm-up: buffers and allocator pools reach their working size
+    first = run(0)
+    second = run(phase)
+    assert engine.alive()
+    growth = (second - first) / 2**20
+    print(f"\n[{engine.name}: RSS {first / 2**20:.0f} -> {second / 2**20:.0f} MiB after {phase} more distinct inputs]")
+    assert growth < bound_mib, f"memory grew {growth:.0f} MiB over {phase} distinct inputs: the cache does not evict"
+
+
+# A Qwen2-VL image in the processor cache: (h/14) x (w/14) patches of 2 x 3 x 14 x 14 = 1,176 values, uint8 (vLLM
+# 0.32 normalises Qwen2-VL's pixels on the device). 448x448: 1,024 patches, 1.2 MB, so the session's 0.03 GiB
+# cache (32.2 MB) holds 26; 1400x1400 is scaled to 980x980: 4,900 patches, 5.8 MB, 5 of them.
+CACHE_ITEM_448 = 1024 * 1176
+
+
+@slow
+def test_the_sized_cache_hits_repeats_and_evicts_the_least_recent(qwen_engine):
+    """vLLM's own cache counters (vllm:mm_cache_queries, vllm:mm_cache_hits) on the session's 0.03 GiB cache. An
+    image sent again hits. After 16 distinct 448x448 images (19 MB, within the cache) it still hits; after 32 more
+    (38.5 MB, beyond it) it misses, evicted as the least recently used; sent once more it hits again. Under vLLM's
+    default 4 GiB the fourth lookup would hit too."""
+    client = qwen_engine.client()
+    capacity = int(MM_CACHE_GIB * 2**30)
+    assert 16 * CACHE_ITEM_448 < capacity < 32 * CACHE_ITEM_448
+
+    def chat(image: Image.Image) -> None:
+        client.chat.completions.create(**payloads.image_chat_kwargs([image], model=qwen_engine.name, max_tokens=1))
+
+    def lookups(image: Image.Image) -> tuple[float, float]:
+        """(lookups, hits) that one request with ``image`` added to the counters."""
+        before = [qwen_engine.sample(f"vllm:mm_cache_{n}_total") for n in ("queries", "hits")]
+        chat(image)
+        after = [qwen_engine.sample(f"vllm:mm_cache_{n}_total") for n in ("queries", "hits")]
+        return after[0] - before[0], after[1] - before[1]
+
+    probe = payloads.test_image(1000, size=448)
+    seen = [lookups(probe), lookups(probe)]
+    for distinct in (range(1001, 1017), range(1017, 1049)):
+        for seed in distinct:
+            chat(payloads.test_image(seed, size=448))
+        seen.append(lookups(probe))
+    seen.append(lookups(probe))
+    print(f"\n[(lookups, hits) of each request with the probe image: {seen}]")
+    assert all(queries == 1 for queries, _ in seen), seen
+    assert [hits for _, hits in seen] == [0, 1, 1, 0, 1], seen
+
+
 @slow
 def test_distinct_real_sized_images_far_beyond_the_cache_plateau(qwen_engine):
-    """At its own resolution a Qwen2-VL image is a big cache item: 448x448 -> 1024 patches x 1176 float32 = 4.8 MB
-    (1400x1400: 23 MB, so vLLM's default 4 GiB per process holds ~180 and a 3 GiB container dies first). With
-    the session's 0.03 GiB cache (~6 such images), 2 x 24 distinct images would add ~115 MB without eviction."""
-    from test_mm_cache import assert_memory_plateaus
-
+    """2 x 24 distinct 1400x1400 images (5.8 MB cache items, 5 fit in the session's cache) would add 138 MB to the
+    EngineCore without eviction; with it the second 24 leave memory where the first left it. Measured on an Intel
+    Xeon (AMX): -22 MiB with the session's cache; the same run with MMCPU_MM_CACHE_GIB=4 (vLLM's default) grew
+    111 MiB and fails the bound."""
     client = qwen_engine.client()
 
     def chat(i: int) -> str:
-        image = Image.effect_noise((448, 448), 40 + i % 50).convert("RGB")  # random noise: distinct every call
+        image = payloads.test_image(2000 + i, size=1400)  # distinct per i: its own hash
         kwargs = payloads.image_chat_kwargs([image], model=qwen_engine.name, max_tokens=1)
         return client.chat.completions.create(**kwargs).choices[0].message.content
 

@@ -14,12 +14,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
-from prometheus_client.parser import text_string_to_metric_families
 
 from mmcpu.config import Settings, get_settings
 from mmcpu.gateway.app import create_app
@@ -69,13 +67,7 @@ def gateway(whisper_engine):
 
 def engine_counts(engine) -> dict[str, float]:
     """Requests running and waiting at the engine (its own /metrics)."""
-    text = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
-    counts = {"running": 0.0, "waiting": 0.0}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-                counts[s.name.rsplit("_", 1)[-1]] += s.value
-    return counts
+    return {state: engine.sample(f"vllm:num_requests_{state}") for state in ("running", "waiting")}
 
 
 def check_turns(run: realtime.Run, n: int, spans: list[tuple[int, int]] | None = None) -> None:
@@ -173,13 +165,7 @@ def test_client_leaving_mid_turn_leaves_no_engine_work(gateway, whisper_engine, 
     from websockets.sync.client import connect
 
     def finished() -> float:
-        text = httpx.get(f"{whisper_engine.base_url}/metrics", timeout=10).text
-        return sum(
-            s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if s.name == "vllm:request_success_total"
-        )
+        return whisper_engine.sample("vllm:request_success_total")
 
     before = finished()
     with connect(gateway.url.replace("http", "ws") + "/v1/realtime?intent=transcription") as ws:
