@@ -99,6 +99,20 @@ def test_cpu_use_counts_the_measured_tree_over_the_round():
     assert runners.CpuUse(None).stop() == {}  # nothing to measure: no figure rather than 0
 
 
+@pytest.mark.parametrize(
+    ("threads", "workers", "c", "cores", "idle"),
+    [
+        (1, 2, 4, 1.02, True),  # two replicas on one core: pinned, in a search round too
+        (1, 4, 8, 1.40, False),  # a search round's tail (measured on a Xeon: 1.37-1.49), not a shared core
+        (1, 2, 4, 1.24, True),  # under 62.5 % of 2 cores
+    ],
+)
+def test_a_search_round_fails_the_run_only_when_its_replicas_shared_a_core(threads, workers, c, cores, idle):
+    use = {"cores": cores, **runners.layout_use(cores, threads, workers, c, cpus=2)}  # as Bench.measure records it
+    assert use["underused"] and runners.replicas_idle(workers, c, use, flagged=False)  # a measured round fails
+    assert runners.replicas_idle(workers, c, use, flagged=False, search=True) is idle
+
+
 class _Peer:
     """A peer whose rounds take no CPU of their own (the cores each round 'used' are made up below)."""
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from mmcpu.config import get_settings
 from mmcpu_dev.bench import record as records
 from mmcpu_dev.bench.results import Results, RoundRecord, best_of, figure_value, meets
-from mmcpu_dev.bench.runners import USE_MIN
+from mmcpu_dev.bench.runners import SEARCH_USE_MIN, USE_MIN
 from mmcpu_dev.bench.stats import LevelStats, ratio
 
 
@@ -89,10 +89,11 @@ def method(r: Results) -> list[str]:
         (
             "Every round records the CPU time of the measured system's own processes over the round (vLLM: the "
             "engine's process tree, through the stack also the gateway and the vision engine; a peer: its process) / "
-            "the round's wall: the cores it kept busy. A peer's round at a layout of several replicas that kept fewer "
-            f"than {USE_MIN:.0%} of the cores it can use (min(num_workers, c) × cpu_threads, at most the CPUs) "
-            "fails the run: its replicas did not run in parallel (OpenVINO GenAI's pinned pipelines did that: "
-            "pinning is off for several replicas)."
+            "the round's wall: the cores it kept busy. A peer's measured round at a layout of several replicas "
+            f"that kept fewer than {USE_MIN:.0%} of the cores it can use (min(num_workers, c) × cpu_threads, at "
+            f"most the CPUs), or a search round fewer than {SEARCH_USE_MIN:.1%} (8 requests: its tail leaves "
+            "cores idle whatever the layout), fails the run: its replicas did not run in parallel (OpenVINO "
+            "GenAI's pinned pipelines did that: pinning is off for several replicas)."
         )
         if any(x.cores is not None for x in r.rounds)
         else (

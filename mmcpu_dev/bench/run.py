@@ -302,7 +302,7 @@ class Bench:
             self.raw_profiles[profile[0]].append(raw)
         if layout:
             cpu |= layout_use(cpu.get("cores"), *layout, c, self.results.meta.cpus)
-            if replicas_idle(layout[1], c, cpu, load["flagged"]):
+            if replicas_idle(layout[1], c, cpu, load["flagged"], search=kind == "search"):
                 self.failed.append(
                     f"{who} c={c}: layout {cpu['layout']} (cpu_threads x num_workers) kept "
                     f"{cpu['cores']} of its {cpu['layout_cores']} cores busy: its replicas did not "

@@ -347,10 +347,20 @@ def layout_use(cores: float | None, threads: int, workers: int, concurrency: int
     }
 
 
-def replicas_idle(workers: int, concurrency: int, use: dict, flagged: bool) -> bool:
+# A search round is 8 requests: its tail, where fewer requests are left than replicas, leaves cores idle whatever the
+# layout (Intel Xeon, 2 CPUs: one 2-thread OpenVINO replica kept 1.64-1.73 cores in search rounds and 1.81-1.87 in
+# the 32-request measured ones; two and four 1-thread replicas 1.37-1.49 in search rounds, 1.67-1.92 measured). Below
+# this share its replicas ran as if on one core (pinned: ~1.0 of 2), which a tail cannot explain.
+SEARCH_USE_MIN = 0.625
+
+
+def replicas_idle(workers: int, concurrency: int, use: dict, flagged: bool, search: bool = False) -> bool:
     """A layout of several replicas at work together that left cores idle on an undisturbed round: the replicas
-    did not run in parallel (e.g. pinned onto one core), so the peer's search may have missed its best layout."""
-    return min(workers, concurrency) >= 2 and bool(use.get("underused")) and not flagged
+    did not run in parallel (e.g. pinned onto one core), so the peer's search may have missed its best layout.
+    A measured round must keep USE_MIN of its cores busy; a search round SEARCH_USE_MIN."""
+    if min(workers, concurrency) < 2 or flagged or not use.get("underused"):
+        return False
+    return not search or use.get("cores", 0.0) < SEARCH_USE_MIN * use["layout_cores"]
 
 
 RETAKES = 3  # a disturbed round is taken again this many times at most (a shared machine)
