@@ -170,10 +170,19 @@ class Engine:
         except httpx.HTTPError:
             return False
 
-    def sample(self, name: str) -> float:
-        """A sample of the engine's own /metrics (e.g. ``vllm:num_requests_running``), summed over its label sets."""
+    def samples(self, *names: str) -> dict[str, float]:
+        """Samples of the engine's own /metrics (e.g. ``vllm:num_requests_running``), each summed over its label
+        sets, from one read (counters read together are from the same moment)."""
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+        out = dict.fromkeys(names, 0.0)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in out:
+                    out[s.name] += s.value
+        return out
+
+    def sample(self, name: str) -> float:
+        return self.samples(name)[name]
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and all its children (API process + engine core)."""

@@ -2,7 +2,7 @@
 
 vLLM keeps up to 4 GiB of processed multimodal items in the API server and again in the EngineCore
 (``--mm-processor-cache-gb``). A 3-4 GiB container would be OOM-killed long before that fills with distinct inputs
-(a Qwen2-VL 448x448 image is 2.4 MB). vLLM keeps none for encoder-decoder models (Whisper). The cache's eviction
+(a Qwen2-VL 448x448 image is 1.2 MB). vLLM keeps none for encoder-decoder models (Whisper). The cache's eviction
 and the engine's memory under distinct images are proven on the vision engine (tests/test_qwen2_vl.py).
 """
 

@@ -397,10 +397,12 @@ def test_the_sized_cache_hits_repeats_and_evicts_the_least_recent(qwen_engine):
 
     def lookups(image: Image.Image) -> tuple[float, float]:
         """(lookups, hits) that one request with ``image`` added to the counters."""
-        before = [qwen_engine.sample(f"vllm:mm_cache_{n}_total") for n in ("queries", "hits")]
+        names = "vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total"
+        before = qwen_engine.samples(*names)
         chat(image)
-        after = [qwen_engine.sample(f"vllm:mm_cache_{n}_total") for n in ("queries", "hits")]
-        return after[0] - before[0], after[1] - before[1]
+        after = qwen_engine.samples(*names)
+        queries, hits = (after[n] - before[n] for n in names)
+        return queries, hits
 
     probe = payloads.test_image(1000, size=448)
     seen = [lookups(probe), lookups(probe)]

@@ -67,7 +67,8 @@ def gateway(whisper_engine):
 
 def engine_counts(engine) -> dict[str, float]:
     """Requests running and waiting at the engine (its own /metrics)."""
-    return {state: engine.sample(f"vllm:num_requests_{state}") for state in ("running", "waiting")}
+    counts = engine.samples("vllm:num_requests_running", "vllm:num_requests_waiting")
+    return {name.rsplit("_", 1)[-1]: value for name, value in counts.items()}
 
 
 def check_turns(run: realtime.Run, n: int, spans: list[tuple[int, int]] | None = None) -> None:
